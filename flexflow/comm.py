@@ -1,0 +1,188 @@
+"""Calibration of the `cpu` machine (used by `flexflow profile --comm`).
+
+Local processes talking over torch.distributed gloo: point-to-point and all-reduce time vs
+message size (latency and bandwidth fitted by least squares), per-process matmul FLOP/s and
+copy bandwidth. The figures go into a machine file in the cache folder that the `cpu` preset
+reads. torch and torch.distributed are imported only inside the calibration itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["cache_dir", "cpu_machine_file", "calibrate_gloo", "write_cpu_machine_file",
+           "CPU_MACHINE_FILE", "DEFAULT_SIZES_BYTES"]
+
+CPU_MACHINE_FILE = "machine-cpu.json"
+KiB, MiB = 2**10, 2**20
+DEFAULT_SIZES_BYTES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
+
+
+def cache_dir() -> Path:
+    """$FLEXFLOW_CACHE_DIR, else $XDG_CACHE_HOME/flexflow, else ~/.cache/flexflow (not created)."""
+    env = os.environ.get("FLEXFLOW_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "flexflow"
+
+
+def cpu_machine_file() -> Path:
+    """Where the calibrated cpu machine lives."""
+    return cache_dir() / CPU_MACHINE_FILE
+
+
+def _median_time(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _best_time(fn, repeats: int = 5, limit_s: float = 0.2) -> float:
+    """Fastest of a few runs after one warm-up, stopping early once limit_s is spent."""
+    fn()
+    best, start = float("inf"), time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > limit_s:
+            break
+    return best
+
+
+def _compute_figures(torch) -> dict:
+    """Per-process matmul FLOP/s per dtype and copy bandwidth (bytes read + written)."""
+    flops = {}
+    for dtype, n in (("float32", 512), ("bfloat16", 256), ("float16", 256)):
+        try:
+            a = torch.randn(n, n).to(getattr(torch, dtype))
+            b = torch.randn(n, n).to(getattr(torch, dtype))
+            flops[dtype] = 2 * n**3 / _best_time(lambda: a @ b)
+        except (RuntimeError, TypeError):  # dtype without a CPU matmul kernel
+            pass
+    src = torch.ones(8 * MiB)  # 32 MiB of float32
+    dst = torch.empty_like(src)
+    mem_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src))
+    return {"peak_flops": flops, "mem_bw_Bps": mem_bw}
+
+
+def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=nprocs)
+    try:
+        out = {"p2p": [], "allreduce": []}
+        for size in sizes:  # ping-pong between ranks 0 and 1: one-way time = round trip / 2
+            buf = torch.zeros(max(1, size // 4))
+
+            def pingpong():
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                elif rank == 1:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+            dist.barrier()
+            out["p2p"].append([buf.numel() * 4, _median_time(pingpong, warmup, repeats) / 2])
+        for size in sizes:
+            buf = torch.zeros(max(1, size // 4))
+
+            def allreduce():
+                dist.barrier()
+                dist.all_reduce(buf)
+            t_barrier = _median_time(dist.barrier, warmup, repeats)
+            t = _median_time(allreduce, warmup, repeats)
+            out["allreduce"].append([buf.numel() * 4, max(t - t_barrier, 1e-9)])
+        dist.barrier()
+        out.update(_compute_figures(torch))  # all ranks at once, as in a real run
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fit(samples) -> tuple[float, float]:
+    """Fit t = latency + size / bandwidth, least squares on relative error (each row / t)."""
+    import numpy as np
+    x = np.array([s for s, _ in samples], dtype=float)
+    y = np.array([t for _, t in samples], dtype=float)
+    a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
+    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
+    if lat <= 0:  # noise: the smallest message is nearly all latency
+        lat = float(y[np.argmin(x)]) / 2
+    bw = 1.0 / inv_bw if inv_bw > 0 else float(np.max(x / y))
+    return float(lat), float(bw)
+
+
+def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: int = 5,
+                   warmup: int = 2) -> dict:
+    """Spawn nprocs local gloo processes and measure. Returns latency_s / bandwidth_Bps
+    (point-to-point link), allreduce_latency_s / allreduce_bandwidth_Bps (per ring step and
+    bus bandwidth under the ring model), peak_flops (dtype -> FLOP/s per process),
+    mem_bw_Bps, the raw samples and the seconds spent."""
+    if nprocs < 2:
+        raise ValueError(f"calibrate_gloo needs at least 2 processes, not {nprocs}")
+    sizes = sorted({int(s) for s in sizes_bytes})
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise ValueError("calibrate_gloo needs at least 2 distinct positive message sizes")
+    import torch.multiprocessing as mp
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="flexflow-comm-") as tmp:
+        mp.spawn(_worker, args=(nprocs, tmp, sizes, repeats, warmup), nprocs=nprocs, join=True)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
+    lat, bw = _fit(ranks[0]["p2p"])
+    # all-reduce completes when the slowest rank does
+    ar = [[s, max(r["allreduce"][i][1] for r in ranks)] for i, (s, _) in enumerate(ranks[0]["allreduce"])]
+    ar_lat, ar_inv = _fit(ar)
+    steps = 2 * (nprocs - 1)  # ring model: t = steps * (lat + size / (n * bw))
+    dtypes = set.intersection(*(set(r["peak_flops"]) for r in ranks))
+    return {
+        "nprocs": nprocs,
+        "latency_s": lat, "bandwidth_Bps": bw,
+        "allreduce_latency_s": ar_lat / steps, "allreduce_bandwidth_Bps": ar_inv * steps / nprocs,
+        "peak_flops": {d: statistics.median(r["peak_flops"][d] for r in ranks) for d in sorted(dtypes)},
+        "mem_bw_Bps": statistics.median(r["mem_bw_Bps"] for r in ranks),
+        "samples": {"p2p": ranks[0]["p2p"], "allreduce": ar},
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def write_cpu_machine_file(figures: dict, path=None) -> Path:
+    """Write the cpu machine with the calibrated figures (atomically); returns the path."""
+    import dataclasses
+    from .machine import LinkSpec, Machine, _cpu_default
+    base = _cpu_default()
+    flops = dict(figures.get("peak_flops") or {})
+    if "float32" not in flops:
+        flops["float32"] = base.spec.flops("float32")
+    spec = dataclasses.replace(base.spec, peak_flops=flops, mem_bw_Bps=float(figures.get("mem_bw_Bps") or
+                                                                             base.spec.mem_bw_Bps))
+    link = LinkSpec(float(figures["bandwidth_Bps"]), float(figures["latency_s"]), "loopback")
+    machine = dataclasses.replace(base, spec=spec, intra_node=link)
+    d = machine.to_dict()
+    d["measured"] = {k: v for k, v in figures.items() if k != "samples"}
+    target = Path(path) if path is not None else cpu_machine_file()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".machine-", suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(d, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return target

@@ -1,0 +1,447 @@
+"""Machine model: devices, nodes and the directed links the simulator schedules transfers on.
+
+Device k is global rank k (node-major: k = node * devices_per_node + local). A machine is
+built from a compact cluster description (JSON), so users can describe their own clusters.
+Figures come from /work/shared/REFERENCE.md ("REF") or vendor datasheets ("datasheet").
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+__all__ = ["DeviceSpec", "Device", "Link", "LinkSpec", "Machine", "GPU_SPECS", "NVLINK_BW_BPS"]
+
+GiB = 2**30
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What one device can do: peak FLOP/s per dtype, memory bandwidth and capacity."""
+    kind: str
+    peak_flops: Mapping[str, float] = field(hash=False)  # dtype name -> FLOP/s; needs "float32"
+    mem_bw_Bps: float
+    memory_bytes: int
+    launch_overhead_s: float  # fixed cost per kernel / eager op
+    backend: str = "nccl"     # torch.distributed backend: "nccl" or "gloo"
+
+    def __post_init__(self):
+        object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
+        if "float32" not in self.peak_flops:
+            raise ValueError(f"device spec {self.kind!r}: peak_flops needs a 'float32' entry")
+
+    def flops(self, dtype="float32") -> float:
+        """Peak FLOP/s for a dtype (name or torch.dtype); unknown dtypes fall back to float32."""
+        name = str(dtype).removeprefix("torch.")
+        return self.peak_flops.get(_DTYPE_ALIASES.get(name, name), self.peak_flops["float32"])
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device = one rank: global id, node, local index in its node."""
+    id: int
+    node: int
+    local: int
+    spec: DeviceSpec
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Bandwidth/latency of one kind of link in a cluster description."""
+    bandwidth_Bps: float
+    latency_s: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class Link:
+    """A directed resource transfers occupy (one intra-node device pair, or one NIC direction)."""
+    id: int
+    name: str
+    bandwidth_Bps: float
+    latency_s: float
+    kind: str
+
+
+# GPUs known by name. memory_bytes is the nominal size; detect() uses the measured one.
+# Launch overhead 5 us: typical CUDA kernel launch gap seen from PyTorch eager.
+GPU_SPECS = {
+    # REF: ~67 TFLOP/s fp32, 990 TFLOP/s dense bf16 (790 measured), 4.8 TB/s, 141 GB.
+    "H200": DeviceSpec("H200", {"float32": 67e12, "bfloat16": 990e12, "float16": 990e12}, 4.8e12, 141 * 10**9, 5e-6),
+    # datasheet (H100 SXM): 67 TFLOP/s fp32, 989 dense bf16/fp16, 3.35 TB/s, 80 GB.
+    "H100": DeviceSpec("H100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 80 * 10**9, 5e-6),
+    # datasheet (A100 SXM 80GB): 19.5 TFLOP/s fp32, 312 bf16/fp16 tensor, 2.0 TB/s.
+    "A100": DeviceSpec("A100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.0e12, 80 * 10**9, 5e-6),
+    # datasheet (V100 SXM2): 15.7 TFLOP/s fp32, 125 fp16 tensor, 900 GB/s; no bf16 -> fp32.
+    "V100": DeviceSpec("V100", {"float32": 15.7e12, "float16": 125e12}, 900e9, 32 * GiB, 5e-6),
+    # REF: P100 SXM2 ~10.6 TFLOP/s fp32, 732 GB/s, 16 GB; datasheet: fp16 2x fp32.
+    "P100": DeviceSpec("P100", {"float32": 10.6e12, "float16": 21.2e12}, 732e9, 16 * GiB, 5e-6),
+    # REF: one GK210 of a K80, ~4.4 TFLOP/s fp32 boost, 240 GB/s, 12 GB; no fast fp16/bf16.
+    "K80": DeviceSpec("K80", {"float32": 4.4e12}, 240e9, 12 * GiB, 5e-6),
+}
+# NVLink bandwidth per direction between two GPUs. REF: NVLink 4 ~450 GB/s per GPU (H100/H200
+# through NVSwitch), NVLink 1 ~20 GB/s per link (P100); datasheet: A100 300, V100 150 GB/s.
+NVLINK_BW_BPS = {"H200": 450e9, "H100": 450e9, "A100": 300e9, "V100": 150e9, "P100": 20e9}
+
+# Links: latency_s is per link and route latencies add up, so each NIC direction carries half
+# of a typical ~10 us end-to-end NCCL inter-node latency.
+_EDR_IB = LinkSpec(12.5e9, 5e-6, "infiniband")   # REF: 100 Gb/s EDR = 12.5 GB/s per node NIC
+_FDR_IB = LinkSpec(7e9, 5e-6, "infiniband")      # REF: 56 Gb/s FDR = 7 GB/s per node NIC
+
+
+def _cpu_total() -> int:
+    """Device count of the cpu preset: one process per core, at least 4 (so small simulations
+    work on small hosts), at most 64."""
+    return min(max(os.cpu_count() or 1, 4), 64)
+
+
+def _cpu_default() -> "Machine":
+    """The uncalibrated cpu preset. Modest per-process figures for one core (one thread):
+    ~50 GFLOP/s fp32 matmul (AVX2 FMA), ~10 GB/s copy bandwidth; ~10 us per eager op.
+    gloo between local processes runs over loopback TCP: ~2 GB/s, ~50 us per message."""
+    n = _cpu_total()
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 * GiB * n
+    spec = DeviceSpec("cpu", {"float32": 50e9}, 10e9, int(ram // n), 1e-5, "gloo")
+    return Machine("cpu", 1, n, spec, LinkSpec(2e9, 50e-6, "loopback"))
+
+
+def _cpu_preset() -> "Machine":
+    """The cpu preset, taken from the calibrated machine file when one exists (see comm.py)."""
+    from .comm import cpu_machine_file
+    path = cpu_machine_file()
+    if path.exists():
+        try:
+            return dataclasses.replace(Machine.load(path), name="cpu")
+        except (ValueError, OSError) as e:
+            warnings.warn(f"ignoring calibrated machine file {path}: {e}")
+    return _cpu_default()
+
+
+_PRESETS = {
+    "p100-cluster": lambda: Machine("p100-cluster", 4, 4, GPU_SPECS["P100"],
+                                    LinkSpec(NVLINK_BW_BPS["P100"], 5e-6, "nvlink"), _EDR_IB),
+    # REF: PCIe switches inside a K80 node, ~10 GB/s (PCIe 3 x16 effective); 10 us via host.
+    "k80-cluster": lambda: Machine("k80-cluster", 16, 4, GPU_SPECS["K80"],
+                                   LinkSpec(10e9, 10e-6, "pcie"), _FDR_IB),
+    # One ordered GPU pair = one link at the per-GPU NVLink 4 rate (NVSwitch is non-blocking);
+    # a GPU sending to several peers at once is therefore modelled optimistically.
+    "h200-node": lambda: Machine("h200-node", 1, 8, GPU_SPECS["H200"],
+                                 LinkSpec(NVLINK_BW_BPS["H200"], 3e-6, "nvswitch")),
+    "cpu": _cpu_preset,
+}
+
+
+@dataclass(frozen=True, repr=False)
+class Machine:
+    """Devices on nodes; one directed link per ordered device pair inside a node and an
+    outgoing + incoming NIC link per node. num_devices < nodes * devices_per_node keeps
+    the first devices (the last node is partial)."""
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    spec: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec | None = None
+    num_devices: int | None = None  # None: every device of every node
+    devices: tuple = field(init=False, compare=False)
+    links: tuple = field(init=False, compare=False)
+
+    def __post_init__(self):
+        nodes, dpn = self.num_nodes, self.devices_per_node
+        n = nodes * dpn if self.num_devices is None else self.num_devices
+        if nodes < 1 or dpn < 1:
+            raise ValueError(f"machine {self.name!r}: nodes and devices_per_node must be >= 1")
+        if not (nodes - 1) * dpn < n <= nodes * dpn:
+            raise ValueError(f"machine {self.name!r}: num_devices={n} does not fit {nodes} nodes x {dpn}")
+        if nodes > 1 and self.inter_node is None:
+            raise ValueError(f"machine {self.name!r}: {nodes} nodes need an inter_node link")
+        devices = tuple(Device(i, i // dpn, i % dpn, self.spec) for i in range(n))
+        links, intra, nic_out, nic_in = [], {}, {}, {}
+
+        def add(name, ls):
+            links.append(Link(len(links), name, ls.bandwidth_Bps, ls.latency_s, ls.kind))
+            return len(links) - 1
+        for node in range(nodes):
+            ids = [d.id for d in devices if d.node == node]
+            for a in ids:
+                for b in ids:
+                    if a != b:
+                        intra[a, b] = add(f"{self.intra_node.kind} {a}->{b}", self.intra_node)
+        if nodes > 1:
+            for node in range(nodes):
+                nic_out[node] = add(f"nic-out node{node}", self.inter_node)
+                nic_in[node] = add(f"nic-in node{node}", self.inter_node)
+        for k, v in dict(num_devices=n, devices=devices, links=tuple(links), _intra=intra,
+                         _nic_out=nic_out, _nic_in=nic_in, _rings={}).items():
+            object.__setattr__(self, k, v)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        return list(_PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, devices: int | None = None) -> "Machine":
+        """A named cluster; devices=N keeps its first N devices (node-major)."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown machine preset {name!r}; valid presets: {', '.join(_PRESETS)}")
+        m = _PRESETS[name]()
+        if devices is None:
+            return m
+        if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= m.num_devices:
+            raise ValueError(f"machine preset {name!r} has {m.num_devices} devices; "
+                             f"devices={devices!r} must be an integer in 1..{m.num_devices}")
+        return m.with_devices(devices)
+
+    def with_devices(self, n: int) -> "Machine":
+        """The same machine keeping only its first n devices."""
+        if not 1 <= n <= self.num_devices:
+            raise ValueError(f"machine {self.name!r} has {self.num_devices} devices; cannot keep {n}")
+        return dataclasses.replace(self, num_nodes=math.ceil(n / self.devices_per_node), num_devices=n)
+
+    @classmethod
+    def detect(cls) -> "Machine":
+        """This host: its NVIDIA GPUs as one node (pynvml), else the cpu preset with one
+        process per core (never raises for a missing driver)."""
+        m = _try(_detect_gpus, None)  # a broken driver must not break the library
+        cpu = cls.preset("cpu") if m is None else None
+        return m or cpu.with_devices(min(os.cpu_count() or 1, cpu.num_devices))
+
+    # ---- routes and costs ---------------------------------------------------------------
+    def _id(self, d) -> int:
+        i = d.id if isinstance(d, Device) else d
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_devices:
+            raise ValueError(f"device {d!r} is not on machine {self.name!r} (0..{self.num_devices - 1})")
+        return i
+
+    def route(self, src, dst) -> tuple[int, ...]:
+        """Link ids a point-to-point transfer src -> dst occupies (empty when src == dst)."""
+        s, d = self._id(src), self._id(dst)
+        if s == d:
+            return ()
+        ns, nd = self.devices[s].node, self.devices[d].node
+        return (self._intra[s, d],) if ns == nd else (self._nic_out[ns], self._nic_in[nd])
+
+    def transfer_time_s(self, src, dst, nbytes: float) -> float:
+        """Sum of link latencies on the route + nbytes / slowest bandwidth on the route."""
+        r = self.route(src, dst)
+        if not r or nbytes <= 0:
+            return 0.0
+        links = [self.links[i] for i in r]
+        return sum(l.latency_s for l in links) + nbytes / min(l.bandwidth_Bps for l in links)
+
+    def _ring(self, devices: Iterable) -> tuple[tuple[int, ...], ...]:
+        """Routes of the ring hops, devices in id order (node-major: fewest node crossings)."""
+        ids = tuple(sorted({self._id(d) for d in devices}))
+        if ids not in self._rings:
+            self._rings[ids] = tuple(self.route(a, b) for a, b in zip(ids, ids[1:] + ids[:1])) \
+                if len(ids) > 1 else ()
+        return self._rings[ids]
+
+    def allreduce_links(self, devices: Iterable) -> tuple[int, ...]:
+        """Link ids a ring all-reduce among these devices occupies."""
+        return tuple(sorted({i for hop in self._ring(devices) for i in hop}))
+
+    def allreduce_time_s(self, devices: Iterable, nbytes: float) -> float:
+        """Ring all-reduce of nbytes on each device: 2(n-1) steps, each moving nbytes/n over the
+        slowest link of the ring plus the largest hop latency."""
+        hops = self._ring(devices)
+        n = len(hops)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bw = min(self.links[i].bandwidth_Bps for hop in hops for i in hop)
+        lat = max(sum(self.links[i].latency_s for i in hop) for hop in hops)
+        return 2 * (n - 1) * (lat + nbytes / n / bw)
+
+    def allreduce_bytes_sent(self, devices: Iterable, nbytes: float) -> float:
+        """Bytes all devices send in a ring all-reduce: 2(n-1)/n * nbytes each, 2(n-1)*nbytes in all."""
+        n = len({self._id(d) for d in devices})
+        return 2 * (n - 1) * nbytes if n > 1 else 0
+
+    # ---- serialisation ------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        link = lambda ls: None if ls is None else dataclasses.asdict(ls)
+        return {"name": self.name, "nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
+                "num_devices": self.num_devices, "device": dataclasses.asdict(self.spec),
+                "intra_node": link(self.intra_node), "inter_node": link(self.inter_node)}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d) -> "Machine":
+        """Build from a cluster description; ValueError names the bad key."""
+        _check_keys(d, "", {"name", "nodes", "devices_per_node", "device", "intra_node"},
+                    {"num_devices", "inter_node", "comment", "measured"})
+        dev = d["device"]
+        _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
+                    {"launch_overhead_s", "backend"})
+        for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
+        pf = dev["peak_flops"]
+        pf = {"float32": pf} if _is_num(pf) else pf
+        if not isinstance(pf, dict) or "float32" not in pf:
+            raise ValueError("machine JSON: 'device.peak_flops' must be a number or a dict with 'float32'")
+        for k in pf:
+            _num(pf, k, "device.peak_flops.")
+        backend = dev.get("backend", "gloo" if dev["kind"] == "cpu" else "nccl")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"machine JSON: 'device.backend' must be 'nccl' or 'gloo', not {backend!r}")
+        spec = DeviceSpec(dev["kind"], pf, _num(dev, "mem_bw_Bps", "device."),
+                          int(_num(dev, "memory_bytes", "device.")),
+                          _num(dev, "launch_overhead_s", "device.", zero_ok=True, default=5e-6), backend)
+        nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
+        if nodes > 1 and inter is None:
+            raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
+        n = None if d.get("num_devices") is None else _int(d, "num_devices")
+        intra, inter = _link(d["intra_node"], "intra_node"), None if inter is None else _link(inter, "inter_node")
+        try:
+            return cls(d["name"], nodes, dpn, spec, intra, inter, n)
+        except ValueError as e:
+            raise ValueError(f"machine JSON: 'num_devices': {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Machine":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"machine JSON is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path) -> "Machine":
+        text = Path(path).read_text()  # OSError as is
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def fingerprint(self) -> str:
+        """Short stable hash of the description; strategies record it to refuse other machines."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # ---- display ------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        inter = f", {self.inter_node.kind} {_si(self.inter_node.bandwidth_Bps)}B/s" if self.num_nodes > 1 else ""
+        return (f"Machine({self.name!r}: {self.num_devices} x {self.spec.kind} on {self.num_nodes} node(s), "
+                f"{self.intra_node.kind} {_si(self.intra_node.bandwidth_Bps)}B/s{inter})")
+
+    def describe(self) -> str:
+        s, a, e = self.spec, self.intra_node, self.inter_node
+        flops = ", ".join(f"{k} {_si(v)}FLOP/s" for k, v in s.peak_flops.items())
+        lines = [f"machine {self.name} [{self.fingerprint()}]",
+                 f"  {self.num_devices} devices on {self.num_nodes} node(s), {self.devices_per_node} per node",
+                 f"  device {s.kind}: {flops}; memory {s.memory_bytes / GiB:.1f} GiB at {_si(s.mem_bw_Bps)}B/s; "
+                 f"launch {s.launch_overhead_s * 1e6:g} us; backend {s.backend}",
+                 f"  intra-node {a.kind}: {_si(a.bandwidth_Bps)}B/s per direction per pair, {a.latency_s * 1e6:g} us"]
+        if e is not None:
+            lines.append(f"  inter-node {e.kind}: {_si(e.bandwidth_Bps)}B/s per node NIC direction, "
+                         f"{e.latency_s * 1e6:g} us")
+        return "\n".join(lines)
+
+
+def _si(x: float) -> str:
+    for unit, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= f:
+            return f"{x / f:.3g} {unit}"
+    return f"{x:.3g} "
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_keys(d, where, required, optional):
+    if not isinstance(d, dict):
+        raise ValueError(f"machine JSON: {repr(where.rstrip('.')) if where else 'the top level'} must be an object")
+    for k in sorted(required - set(d)):
+        raise ValueError(f"machine JSON: missing key '{where}{k}'")
+    for k in sorted(set(d) - required - optional):
+        raise ValueError(f"machine JSON: unknown key '{where}{k}' (expected {', '.join(sorted(required | optional))})")
+
+
+def _num(d, key, where="", zero_ok=False, default=None) -> float:
+    if key not in d and default is not None:
+        return default
+    v = d[key]
+    if not _is_num(v) or v < 0 or (v == 0 and not zero_ok):
+        raise ValueError(f"machine JSON: '{where}{key}' must be a {'non-negative' if zero_ok else 'positive'} "
+                         f"number, not {v!r}")
+    return float(v)
+
+
+def _int(d, key) -> int:
+    if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 1:
+        raise ValueError(f"machine JSON: '{key}' must be a positive integer, not {d[key]!r}")
+    return d[key]
+
+
+def _link(d, where) -> LinkSpec:
+    _check_keys(d, where + ".", {"bandwidth_Bps", "latency_s"}, {"kind"})
+    return LinkSpec(_num(d, "bandwidth_Bps", where + "."), _num(d, "latency_s", where + ".", zero_ok=True),
+                    str(d.get("kind", where)))
+
+
+def _try(f, default):
+    try:
+        return f()
+    except Exception:
+        return default
+
+
+def _detect_gpus() -> Machine | None:
+    """This host's NVIDIA GPUs as one homogeneous node (GPU 0's kind, smallest memory)."""
+    try:
+        import pynvml as nv
+        nv.nvmlInit()
+    except Exception:  # no pynvml, or NVMLError_LibraryNotFound / DriverNotLoaded: no driver
+        return None
+    try:
+        hs = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+        if not hs:
+            return None
+        name = nv.nvmlDeviceGetName(hs[0])
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        kind = next((k for k in GPU_SPECS if re.search(rf"\b{k}\b", name.upper())), None)
+        h = hs[0]
+        if kind:
+            spec = GPU_SPECS[kind]
+        else:  # unknown GPU: fp32 = one FMA (2 FLOP) per CUDA core per SM cycle, else 20 TFLOP/s;
+            # memory bandwidth = bus bytes x memory clock x 2 (DDR), else 1 TB/s; other dtypes
+            # fall back to fp32 (no tensor-core guess: conservative).
+            cores = _try(lambda: nv.nvmlDeviceGetNumGpuCores(h), 0)
+            clk = _try(lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM), 0)
+            bus = _try(lambda: nv.nvmlDeviceGetMemoryBusWidth(h), 0)
+            mclk = _try(lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM), 0)
+            spec = DeviceSpec(name, {"float32": 2e6 * cores * clk if cores and clk else 20e12},
+                              bus / 8 * mclk * 2e6 if bus and mclk else 1e12, 16 * GiB, 5e-6)
+        spec = dataclasses.replace(spec, memory_bytes=min(int(nv.nvmlDeviceGetMemoryInfo(x).total) for x in hs))
+        on = getattr(nv, "NVML_FEATURE_ENABLED", 1)
+        if any(_try(lambda: nv.nvmlDeviceGetNvLinkState(x, k), 0) == on
+               for x in hs for k in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+            intra = LinkSpec(NVLINK_BW_BPS.get(spec.kind, 50e9), 5e-6, "nvlink")  # unknown NVLink: 50 GB/s
+        else:  # PCIe per direction: per-lane rate of the generation x width x 0.8 (protocol
+            # overhead); 12 GB/s (PCIe 3 x16 effective) when NVML cannot say
+            lane = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+            gen = _try(lambda: nv.nvmlDeviceGetMaxPcieLinkGeneration(h), 0)
+            width = _try(lambda: nv.nvmlDeviceGetMaxPcieLinkWidth(h), 0)
+            intra = LinkSpec(lane[gen] * width * 0.8 if gen in lane and width else 12e9, 10e-6, "pcie")
+        return Machine(f"detected-{spec.kind.lower()}", 1, len(hs), spec, intra)
+    finally:
+        _try(nv.nvmlShutdown, None)

@@ -1,0 +1,148 @@
+"""Registry of partition rules, one per op family, and the helpers they share.
+
+A rule answers four questions about an op:
+
+- ``dims(op)``: the dims it can split (with their SOAP kind),
+- ``regions(op, block)``: for one partition (a block: dim -> [start, stop)),
+  the region of each tensor input and of each parameter it needs,
+- ``compute(op, block, inputs, params)``: that partition's output slice from
+  those input and parameter regions,
+- ``flops(op, block)``: forward FLOPs of the partition (analytic cost).
+
+Everything else (simulator, memory estimate, executor) builds on these via
+``flexflow.strategy.partitions``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch.fx.node import map_aggregate
+
+from ..ir import Dim, InputRef, Op, ParamRef
+
+__all__ = ["Rule", "RULES", "register", "Block", "Region", "full_region", "out_region",
+           "block_range", "call_template", "region_shape", "region_numel", "sample_dims"]
+
+Block = dict  # dim name -> (start, stop)
+Region = tuple  # tuple of slices, one per tensor axis
+
+RULES: dict[str, "Rule"] = {}
+
+
+def register(name: str):
+    """Class decorator: register a rule under ``name``."""
+    def deco(cls):
+        rule = cls()
+        rule.name = name
+        RULES[name] = rule
+        return cls
+    return deco
+
+
+def full_region(shape) -> Region:
+    return tuple(slice(0, s) for s in shape)
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(max(0, s.stop - s.start) for s in region)
+
+
+def region_numel(region: Region) -> int:
+    return math.prod(region_shape(region))
+
+
+def block_range(op: Op, block: Block, name: str) -> tuple[int, int]:
+    """The [start, stop) of dim ``name`` in the block (whole dim when unsplit)."""
+    if name in block:
+        return block[name]
+    return (0, op.dim(name).size)
+
+
+def out_region(op: Op, block: Block) -> Region:
+    """Output region of a partition: split axes sliced, others whole."""
+    region = [slice(0, s) for s in op.output_shape]
+    for d in op.dims:
+        if d.axis is not None and d.name in block:
+            a, b = block[d.name]
+            region[d.axis] = slice(a, b)
+    return tuple(region)
+
+
+def sample_dims(shape, batch: int | None, names_by_rank=None) -> list[Dim]:
+    """Generic dims of a tensor: axis 0 is the sample dim when it is the batch,
+    every other axis an attribute dim.  Size-1 axes are not splittable."""
+    rank = len(shape)
+    default = {1: ["n"], 2: ["n", "c"], 3: ["n", "s", "c"], 4: ["n", "c", "h", "w"],
+               5: ["n", "c", "d", "h", "w"]}
+    names = (names_by_rank or default).get(rank) or ["n"] + [f"d{i}" for i in range(1, rank)]
+    dims = []
+    for axis, (name, size) in enumerate(zip(names, shape)):
+        if size <= 1:
+            continue
+        if axis == 0:
+            kind = "sample" if batch is not None and size == batch else "attribute"
+            name = "n" if kind == "sample" else "d0"
+        else:
+            kind = "attribute"
+        dims.append(Dim(name, kind, axis, size))
+    return dims
+
+
+def call_template(op: Op, inputs, params: dict, args=None, kwargs=None):
+    """Call the op's original target with markers replaced by real tensors."""
+    args = op.args if args is None else args
+    kwargs = op.kwargs if kwargs is None else kwargs
+
+    def fill(x):
+        if isinstance(x, InputRef):
+            return inputs[x.index]
+        if isinstance(x, ParamRef):
+            return params[x.name]
+        return x
+    a = map_aggregate(args, fill)
+    k = map_aggregate(kwargs, fill)
+    if op.call_kind == "call_method":
+        return getattr(a[0], op.target)(*a[1:], **k)
+    if op.call_kind == "call_module":
+        from torch.func import functional_call
+        mod = op.target
+        own = {n: params[n] for n in op.params if n in params}
+        own.update({n: params[n] for n in op.buffers if n in params})
+        if own:
+            return functional_call(mod, own, tuple(a), k)
+        return mod(*a, **k)
+    return op.target(*a, **k)
+
+
+class Rule:
+    """Base rule: an op that can only run whole on one device."""
+
+    name = "base"
+
+    def dims(self, op: Op, batch: int | None) -> list[Dim]:
+        return []
+
+    def regions(self, op: Op, block: Block):
+        ins = [full_region(s) for s in op.input_shapes]
+        ps = {n: full_region(op.param_views.get(n, op.param_shapes[n])) for n in op.param_shapes}
+        ps.update({n: full_region(op.buffer_shapes[n]) for n in op.buffers})
+        return ins, ps
+
+    def compute(self, op: Op, block: Block, inputs: list, params: dict) -> torch.Tensor:
+        return call_template(op, inputs, params)
+
+    def flops(self, op: Op, block: Block) -> float:
+        return float(math.prod(_block_shape(op, block)))
+
+    def backward_factor(self, op: Op) -> float:
+        """Backward FLOPs as a multiple of forward FLOPs."""
+        return 2.0 if op.params else 1.0
+
+
+def _block_shape(op: Op, block: Block) -> tuple[int, ...]:
+    return region_shape(out_region(op, block))
+
+
+RULES["base"] = Rule()

@@ -1,0 +1,99 @@
+"""Losses (cross-entropy, NLL) and opaque ops.
+
+A loss with reduction 'mean' or 'sum' returns a scalar: its sample dim is a
+reduction dim, each partition computes a partial sum (already divided by
+the global count for 'mean') and the partials add up to the loss."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..ir import Dim, Op
+from .base import Block, Rule, block_range, call_template, out_region, register
+
+
+@register("loss")
+class Loss(Rule):
+    def dims(self, op: Op, batch):
+        if not op.attrs.get("splittable", True):
+            return []
+        tshape = op.input_shapes[1]
+        reduced = op.attrs["reduction"] != "none"
+        dims = []
+        for axis, size in enumerate(tshape):
+            if size <= 1:
+                continue
+            if axis == 0:
+                sample = batch is not None and size == batch
+                name, kind = ("n", "sample") if sample else ("d0", "attribute")
+            else:
+                name, kind = ("s" if axis == 1 else f"s{axis}"), "attribute"
+            dims.append(Dim(name, kind, None if reduced else axis, size))
+        return dims
+
+    def _target_region(self, op, block):
+        tshape = op.input_shapes[1]
+        by_axis = {}
+        for d in op.dims:
+            by_axis[d.axis if d.axis is not None else self._axis_of(op, d)] = block_range(op, block, d.name)
+        return tuple(slice(*by_axis.get(a, (0, s))) for a, s in enumerate(tshape))
+
+    @staticmethod
+    def _axis_of(op, d):
+        return 0 if d.name in ("n", "d0") else (1 if d.name == "s" else int(d.name[1:]))
+
+    def regions(self, op: Op, block: Block):
+        t = self._target_region(op, block)
+        x = (t[0], slice(0, op.input_shapes[0][1])) + t[1:]
+        ins = [x, t] + [tuple(slice(0, s) for s in shp) for shp in op.input_shapes[2:]]
+        return ins, {}
+
+    def compute(self, op, block, inputs, params):
+        red = op.attrs["reduction"]
+        fn = F.nll_loss if op.attrs["fn"] == "nll" else F.cross_entropy
+        kw = {"ignore_index": op.attrs.get("ignore_index", -100)}
+        if red == "none":
+            return fn(inputs[0], inputs[1], reduction="none", **kw)
+        total = fn(inputs[0], inputs[1], reduction="sum", **kw)
+        if red == "mean":
+            total = total / math.prod(op.input_shapes[1])
+        return total
+
+    def flops(self, op, block):
+        t = self._target_region(op, block)
+        return 4.0 * math.prod(s.stop - s.start for s in t) * op.input_shapes[0][1]
+
+    def backward_factor(self, op):
+        return 1.0
+
+
+@register("opaque")
+class Opaque(Rule):
+    """An op the library does not know: split along the sample dim (when its
+    output and inputs carry the batch on axis 0) or run whole."""
+
+    def dims(self, op: Op, batch):
+        shape = op.output_shape
+        if (op.attrs.get("packed") or not shape or batch is None or shape[0] != batch
+                or batch <= 1):
+            return []
+        return [Dim("n", "sample", 0, batch)]
+
+    def regions(self, op: Op, block: Block):
+        ins, ps = super().regions(op, block)
+        if "n" in block:
+            a, b = block["n"]
+            batch = op.output_shape[0]
+            ins = [(slice(a, b),) + r[1:] if len(r) and shp[0] == batch else r
+                   for r, shp in zip(ins, op.input_shapes)]
+        return ins, ps
+
+    def compute(self, op, block, inputs, params):
+        out = call_template(op, inputs, params)
+        if op.attrs.get("packed"):
+            return torch.cat([t.reshape(-1) for t in out])
+        if op.attrs.get("stacked"):
+            return torch.stack(list(out))
+        return out

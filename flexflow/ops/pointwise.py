@@ -1,0 +1,86 @@
+"""Element-wise ops (unary, binary with broadcasting) and row-wise ops
+(softmax, layer norm, reductions) that keep some axes whole."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..ir import Dim, Op
+from .base import Block, Rule, call_template, out_region, register, sample_dims
+
+__all__ = ["broadcast_region"]
+
+
+def broadcast_region(out, out_shape, in_shape):
+    """Region of an input broadcast to ``out_shape`` that an output region reads."""
+    r, R = len(in_shape), len(out_shape)
+    region = []
+    for i in range(r):
+        oi = R - r + i
+        if in_shape[i] == 1 and out_shape[oi] != 1:
+            region.append(slice(0, 1))
+        else:
+            region.append(out[oi])
+    return tuple(region)
+
+
+@register("pointwise")
+class Pointwise(Rule):
+    """Every output axis splits; each input reads the same region, broadcast."""
+
+    def dims(self, op: Op, batch):
+        return sample_dims(op.output_shape, batch)
+
+    def regions(self, op: Op, block: Block):
+        out = out_region(op, block)
+        return [broadcast_region(out, op.output_shape, s) for s in op.input_shapes], {}
+
+    def backward_factor(self, op):
+        return 1.0
+
+
+@register("rowwise")
+class Rowwise(Rule):
+    """Softmax, log-softmax, layer norm: the axes in ``attrs['whole_axes']``
+    stay whole; others split as for element-wise ops.  Parameters whole."""
+
+    def dims(self, op: Op, batch):
+        whole = set(op.attrs.get("whole_axes", ()))
+        return [d for d in sample_dims(op.output_shape, batch) if d.axis not in whole]
+
+    def regions(self, op: Op, block: Block):
+        out = out_region(op, block)
+        ins = [broadcast_region(out, op.output_shape, s) for s in op.input_shapes]
+        ps = {n: tuple(slice(0, s) for s in shp) for n, shp in op.param_shapes.items()}
+        return ins, ps
+
+    def flops(self, op, block):
+        return 5.0 * math.prod(s.stop - s.start for s in out_region(op, block))
+
+
+@register("reduce")
+class Reduce(Rule):
+    """sum / mean / amax over some axes: ``attrs['axis_map']`` gives, for each
+    output axis, the input axis it indexes (None for a kept size-1 axis)."""
+
+    def dims(self, op: Op, batch):
+        amap = op.attrs["axis_map"]
+        return [d for d in sample_dims(op.output_shape, batch) if amap[d.axis] is not None]
+
+    def regions(self, op: Op, block: Block):
+        out = out_region(op, block)
+        shape = op.input_shapes[0]
+        region = [slice(0, s) for s in shape]
+        for oa, ia in enumerate(op.attrs["axis_map"]):
+            if ia is not None:
+                region[ia] = out[oa]
+        ins = [tuple(region)] + [tuple(slice(0, s) for s in sh) for sh in op.input_shapes[1:]]
+        return ins, {}
+
+    def flops(self, op, block):
+        return float(math.prod(op.input_shapes[0]))
+
+    def backward_factor(self, op):
+        return 1.0

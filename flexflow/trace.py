@@ -1,0 +1,255 @@
+"""torch.fx tracing with concrete shapes -> :class:`OpGraph`.
+
+The tracer runs every node on fake tensors as it records it, so shape reads
+(``x.size(0)``, ``x.shape[-1]``) are plain integers and models that read
+shapes in Python trace.  Each fx node then becomes an :class:`Op` whose
+kind and partition rule come from :mod:`flexflow.ops.catalog`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# fx patches these while it traces; evaluating a leaf module needs the originals
+_ORIG_GETATTR = torch.nn.Module.__getattr__
+_ORIG_CALL = torch.nn.Module.__call__
+
+from .ir import InputRef, Op, OpGraph, ParamRef
+from .ops import RULES
+from .ops.catalog import build_op, index_attrs
+
+__all__ = ["trace", "TraceError"]
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message names the module and line."""
+
+
+class _CProxy(fx.Proxy):
+    """A proxy that knows its concrete (fake) value: shape reads are ints."""
+
+    def _v(self):
+        return self.node.meta["ff_value"]
+
+    @property
+    def shape(self):
+        return self._v().shape
+
+    @property
+    def ndim(self):
+        return self._v().dim()
+
+    @property
+    def dtype(self):
+        return self._v().dtype
+
+    @property
+    def device(self):
+        return self._v().device
+
+    @property
+    def is_cuda(self):
+        return self._v().is_cuda
+
+    def size(self, dim=None):
+        v = self._v()
+        return v.size() if dim is None else v.size(dim)
+
+    def dim(self):
+        return self._v().dim()
+
+    def numel(self):
+        return self._v().numel()
+
+    def nelement(self):
+        return self._v().numel()
+
+    def __len__(self):
+        return len(self._v())
+
+    def __iter__(self):
+        for i in range(len(self._v())):
+            yield self[i]
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, root: torch.nn.Module, inputs: tuple):
+        super().__init__()
+        self.record_stack_traces = True
+        self._inputs = list(inputs)
+        self._placeholder_count = 0
+        self._fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self._root = root
+
+    def proxy(self, node):
+        return _CProxy(node, self)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if "ff_value" not in node.meta:
+            node.meta["ff_value"] = self._evaluate(node)
+        return node
+
+    def _fake_of(self, t):
+        if isinstance(t, torch.Tensor):
+            return self._fake.from_tensor(t)
+        return t
+
+    def _evaluate(self, node: fx.Node):
+        if node.op == "placeholder":
+            i = self._placeholder_count
+            self._placeholder_count += 1
+            if i >= len(self._inputs):
+                raise TraceError(f"forward() takes more inputs than the {len(self._inputs)} "
+                                 f"example inputs given (missing {node.target!r})")
+            return self._fake_of(self._inputs[i])
+        if node.op == "get_attr":
+            return self._fake_of(_fetch_attr(self.root, node.target))
+        if node.op == "output":
+            return None
+
+        def val(n):
+            return n.meta["ff_value"] if isinstance(n, fx.Node) else n
+        args = map_aggregate(node.args, val)
+        kwargs = map_aggregate(node.kwargs, val)
+        patched = torch.nn.Module.__getattr__, torch.nn.Module.__call__
+        torch.nn.Module.__getattr__, torch.nn.Module.__call__ = _ORIG_GETATTR, _ORIG_CALL
+        try:
+            with self._fake:
+                if node.op == "call_module":
+                    return _fetch_attr(self.root, node.target)(*args, **kwargs)
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                return node.target(*args, **kwargs)
+        finally:
+            torch.nn.Module.__getattr__, torch.nn.Module.__call__ = patched
+
+
+def _fetch_attr(root, target: str):
+    """Attribute by dotted path without Module.__getattr__ (fx patches it)."""
+    obj = root
+    for part in target.split("."):
+        if isinstance(obj, torch.nn.Module):
+            for store in (obj._parameters, obj._buffers, obj._modules, obj.__dict__):
+                if part in store:
+                    obj = store[part]
+                    break
+            else:
+                obj = getattr(obj, part)
+        else:
+            obj = getattr(obj, part)
+    return obj
+
+
+_OWN_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def _user_frame(tb) -> str:
+    """file:line of the innermost frame outside torch and flexflow."""
+    where = ""
+    for frame in traceback.extract_tb(tb):
+        if not frame.filename.startswith(_OWN_DIRS):
+            where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return where
+
+
+def _source_of(node: fx.Node) -> str:
+    st = node.meta.get("stack_trace") or ""
+    hits = re.findall(r'File "([^"]+)", line (\d+)', st)
+    for fname, line in reversed(hits):
+        if not fname.startswith(_OWN_DIRS):
+            return f"{os.path.basename(fname)}:{line}"
+    return ""
+
+
+def trace(module: torch.nn.Module, example_inputs) -> OpGraph:
+    """Trace ``module`` called on ``example_inputs`` into an :class:`OpGraph`."""
+    if example_inputs is None:
+        raise ValueError("example_inputs are required: they fix the shapes of every op")
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"trace() needs an nn.Module, got {type(module).__name__}")
+    tracer = _Tracer(module, tuple(example_inputs))
+    name = type(module).__name__
+    try:
+        g = tracer.trace(module)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure gets one clear error
+        where = _user_frame(e.__traceback__)
+        at = f" at {where}" if where else ""
+        raise TraceError(
+            f"cannot trace {name}{at}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "torch.fx needs control flow that does not depend on tensor values; shape reads are "
+            "fine. Move data-dependent code out of forward(), or wrap it in a leaf module "
+            "(it then runs as one opaque op)."
+        ) from e
+    return _build_graph(module, g, tuple(example_inputs))
+
+
+def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
+    param_names = {id(p): n for n, p in root.named_parameters()}
+    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    ops: list[Op] = []
+    by_node: dict[fx.Node, Any] = {}  # node -> op name, or a tuple source spec
+    opaque: list[str] = []
+    outputs = None
+    for node in g.nodes:
+        value = node.meta.get("ff_value")
+        if node.op == "output":
+            outputs = map_aggregate(node.args[0], lambda n: by_node.get(n) if isinstance(n, fx.Node) else n)
+            continue
+        if node.op == "get_attr" and id(_fetch_attr(root, node.target)) in param_names:
+            by_node[node] = ("param", param_names[id(_fetch_attr(root, node.target))])
+            continue
+        op = build_op(root, node, value, by_node, param_names, ops)
+        if op is None:
+            continue
+        op.source = _source_of(node)
+        op.dims = RULES[op.rule].dims(op, batch)
+        if op.rule == "opaque" and not op.everywhere:
+            opaque.append(op.name)
+        ops.append(op)
+        by_node[node] = op.name
+    _propagate_everywhere(ops)
+    _assign_share_groups(ops)
+    return OpGraph(ops, outputs, module=root, batch_size=batch, opaque=opaque)
+
+
+_RANDOM_KINDS = {"dropout", "dropout2d", "alpha_dropout", "rand", "randn", "rand_like",
+                 "randn_like", "bernoulli"}
+
+
+def _propagate_everywhere(ops: list[Op]) -> None:
+    """Ops computed from constants alone are constants too (masks, positions)."""
+    by_name = {op.name: op for op in ops}
+    for op in ops:
+        if (not op.everywhere and op.inputs and not op.params and not op.buffers
+                and op.kind not in _RANDOM_KINDS
+                and all(by_name[i].everywhere and by_name[i].kind != "input" for i in op.inputs)):
+            op.everywhere = True
+            op.dims = []
+
+
+def _assign_share_groups(ops: list[Op]) -> None:
+    """Ops that use the same parameters with the same shapes share one config."""
+    groups: dict[frozenset, list[Op]] = {}
+    for op in ops:
+        if op.params and not op.everywhere:
+            groups.setdefault(frozenset(op.params.values()), []).append(op)
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        sig = {(m.kind, tuple(m.output_shape), tuple(map(tuple, m.input_shapes))) for m in members}
+        if len(sig) == 1:
+            gname = members[0].module_path or members[0].name
+            for m in members:
+                m.share_group = "group:" + gname
