@@ -25,7 +25,7 @@ from .ops.base import out_region, region_numel
 
 __all__ = ["ParallelConfig", "Partition", "Strategy", "StrategyError", "partitions",
            "candidate_configs", "param_placement", "ParamShard", "validate_config",
-           "strategy_space_log10", "format_devices"]
+           "strategy_space_log10", "format_devices", "overlap"]
 
 _LETTER = {"n": "S"}  # the sample dim prints as S, as in the paper
 
@@ -453,3 +453,14 @@ def _sample_config(op: Op, D: int) -> ParallelConfig:
         k = min(D, op.dim("n").size)
         return ParallelConfig({"n": k}, range(k))
     return ParallelConfig({}, (0,))
+
+
+def overlap(a: tuple, b: tuple) -> tuple | None:
+    """Intersection of two regions (tuples of slices), or None when empty."""
+    out = []
+    for x, y in zip(a, b):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
