@@ -92,7 +92,8 @@ class ParallelConfig:
         return f"ParallelConfig({dict(self._degrees)}, {self._devices})"
 
     def __str__(self):
-        degs = " ".join(f"{_LETTER.get(k, k.upper())}{v}" for k, v in self._degrees) or "whole"
+        items = sorted(self._degrees, key=lambda kv: (kv[0] != "n", kv[0]))
+        degs = " ".join(f"{_LETTER.get(k, k.upper())}{v}" for k, v in items) or "whole"
         return f"{degs} @{format_devices(self._devices)}"
 
     def to_dict(self) -> dict:

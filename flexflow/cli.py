@@ -1,0 +1,337 @@
+"""The ``flexflow`` command line: models, trace, profile, simulate, search."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+__all__ = ["main", "load_model", "CLIError"]
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _paper_batch(name: str) -> int:
+    return 256 if name == "alexnet" else 64
+
+
+def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True):
+    """(module, example_inputs, label) for a zoo name or ``path/file.py:factory``.
+
+    Zoo models at paper size are built on the meta device (planning needs
+    shapes, not values) unless ``meta`` is False."""
+    from . import models
+    if spec in models.names():
+        b = batch if batch is not None else _paper_batch(spec) * devices
+        if b < 1:
+            raise CLIError(f"--batch must be positive, got {b}")
+        module, inputs = models.get(spec, batch_size=b, device="meta" if meta else None)
+        return module, inputs, spec
+    if ":" not in spec or not spec.split(":")[0].endswith(".py"):
+        raise CLIError(f"unknown model {spec!r}: use a zoo name ({', '.join(models.names())}) "
+                       "or path/to/file.py:factory")
+    path, factory = spec.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise CLIError(f"model file {path!r} does not exist")
+    try:
+        mod_spec = importlib.util.spec_from_file_location("_flexflow_user_model", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 - report the user's file, one line
+        raise CLIError(f"model file {path!r} failed to import: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, factory, None)
+    if not callable(fn):
+        raise CLIError(f"model file {path!r} has no callable {factory!r}")
+    try:
+        out = fn(batch) if batch is not None else fn()
+    except TypeError:
+        out = fn()
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise CLIError(f"{spec}: factory must return (module, example_inputs), got {type(out).__name__}")
+    module, inputs = out
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    return module, tuple(inputs), spec
+
+
+def _machine(args):
+    from .machine import Machine
+    if args.machine.endswith(".json"):
+        if not os.path.isfile(args.machine):
+            raise CLIError(f"machine file {args.machine!r} does not exist")
+        try:
+            m = Machine.load(args.machine)
+        except ValueError as e:
+            raise CLIError(f"machine file {args.machine!r}: {e}") from None
+        return m.with_devices(args.devices) if args.devices else m
+    try:
+        return Machine.preset(args.machine, devices=args.devices)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n}"
+
+
+# --------------------------------------------------------------------------- commands
+def cmd_models(args) -> int:
+    from . import models
+    for name in models.names():
+        print(name)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from .machine import Machine
+    from .strategy import strategy_space_log10
+    from .trace import trace
+    module, inputs, label = load_model(args.model, args.batch)
+    graph = trace(module, inputs)
+    rows = []
+    for op in graph.ops:
+        params = sum(math.prod(s) for s in op.param_shapes.values())
+        dims = " ".join(f"{d.name}:{d.kind[0].upper()}{d.size}" for d in op.dims)
+        rows.append((op.name, op.kind, "x".join(map(str, op.output_shape)) or "()",
+                     str(params) if params else "", "everywhere" if op.everywhere else dims))
+    if args.json:
+        space = {str(n): strategy_space_log10(graph, Machine.preset("p100-cluster", devices=n))
+                 for n in (4, 16)}
+        print(json.dumps({"model": label, "ops": len(graph), "opaque": graph.opaque,
+                          "param_bytes": graph.param_bytes, "log10_strategies": space,
+                          "table": [dict(zip(("name", "kind", "shape", "params", "dims"), r))
+                                    for r in rows]}))
+        return 0
+    widths = [max(len(r[i]) for r in rows + [("op", "kind", "output", "params", "parallel dims")])
+              for i in range(5)]
+    head = ("op", "kind", "output", "params", "parallel dims")
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print()
+    print(f"model {label}: {len(graph)} ops ({len(graph.compute_ops)} placed, "
+          f"{len(graph.groups)} config groups), batch {graph.batch_size}")
+    print(f"parameters: {_fmt_bytes(graph.param_bytes)}")
+    print(f"opaque ops: {', '.join(graph.opaque) if graph.opaque else 'none'}")
+    for n in (4, 16):
+        m = Machine.preset("p100-cluster", devices=n)
+        print(f"strategy space on {n} devices: 10^{strategy_space_log10(graph, m):.1f}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from . import profile
+    if args.comm:
+        res = profile.calibrate_comm(nprocs=args.nprocs)
+        if args.json:
+            print(json.dumps(res, default=str))
+        else:
+            for k, v in res.items():
+                if k != "samples":
+                    print(f"{k}: {v}")
+        return 0
+    if args.model is None:
+        raise CLIError("profile needs a MODEL (or --comm)")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: no CUDA device here")
+    module, inputs, label = load_model(args.model, args.batch, meta=True)
+    from .trace import trace
+    graph = trace(module, inputs)
+    rep = profile.profile_graph(graph, device=args.device, progress=not args.json)
+    if args.json:
+        print(json.dumps({"model": label, "device": args.device, "ops": rep.ops,
+                          "measured": rep.measured, "cached": rep.cached}, default=str))
+    else:
+        for o in rep.ops:
+            print(f"{o['op']:<28} {o['kind']:<20} fwd {o['forward_ms']:9.3f} ms  "
+                  f"bwd {o['backward_ms']:9.3f} ms{'  (cached)' if o.get('cached') else ''}")
+        print(f"{len(rep.ops)} distinct ops: {rep.measured} measured, {rep.cached} from cache")
+    return 0
+
+
+def _strategy_arg(name, graph, machine):
+    from .strategy import Strategy, StrategyError
+    builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
+                "expert": Strategy.expert}
+    if name in builtins:
+        return builtins[name](graph, machine)
+    if name == "optcnn":
+        from .search import optcnn
+        return optcnn(graph, machine)
+    if not os.path.isfile(name):
+        raise CLIError(f"--strategy {name!r}: not a built-in (data_parallel, model_parallel, "
+                       "expert, optcnn) and no such file")
+    try:
+        with open(name) as f:
+            return Strategy.from_json(f.read(), graph, machine)
+    except StrategyError as e:
+        raise CLIError(f"strategy file {name!r}: {e}") from None
+
+
+def _sim_json(label, machine, strategy_name, res, batch):
+    return {"model": label, "machine": machine.name, "devices": machine.num_devices,
+            "strategy": strategy_name, "iteration_time_ms": res.iteration_time * 1e3,
+            "throughput": batch / res.iteration_time if res.iteration_time > 0 else 0.0,
+            "comm_bytes": res.comm_bytes, "sync_bytes": res.sync_bytes,
+            "peak_memory_bytes": list(res.peak_memory), "feasible": res.feasible}
+
+
+def _print_sim(label, machine, strategy_name, res, batch):
+    print(f"{label} on {machine.name} ({machine.num_devices} devices), strategy {strategy_name}")
+    print(f"  iteration time  {res.iteration_time * 1e3:10.3f} ms   "
+          f"({batch / res.iteration_time:,.0f} samples/s)")
+    print(f"  activations moved {_fmt_bytes(res.comm_bytes):>12}   parameter sync {_fmt_bytes(res.sync_bytes):>12}")
+    print(f"  peak memory       {_fmt_bytes(max(res.peak_memory)):>12} (max over devices)"
+          f"{'' if res.feasible else '   INFEASIBLE: ' + str(getattr(res, 'message', ''))}")
+
+
+def cmd_simulate(args) -> int:
+    from .cost import CostModel
+    from .simulate import Simulator
+    from .trace import trace
+    machine = _machine(args)
+    module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
+    graph = trace(module, inputs)
+    strategy = _strategy_arg(args.strategy, graph, machine)
+    sim = Simulator(graph, machine, _cost_model(machine))
+    res = sim.simulate(strategy, incremental=False)
+    if args.trace:
+        res.to_chrome_trace(args.trace)
+    name = args.strategy if not os.path.isfile(args.strategy) else os.path.basename(args.strategy)
+    if args.json:
+        print(json.dumps(_sim_json(label, machine, name, res, graph.batch_size)))
+    else:
+        _print_sim(label, machine, name, res, graph.batch_size)
+        if args.trace:
+            print(f"  timeline written to {args.trace}")
+    return 0
+
+
+def _cost_model(machine):
+    from .cost import CostModel
+    if hasattr(CostModel, "for_machine"):
+        return CostModel.for_machine(machine)
+    return CostModel(machine)
+
+
+def cmd_search(args) -> int:
+    from .search import search
+    from .strategy import Strategy, StrategyError
+    from .trace import trace
+    machine = _machine(args)
+    module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
+    graph = trace(module, inputs)
+    init = None
+    if args.init:
+        init = _strategy_arg(args.init, graph, machine)
+    kw = {}
+    if args.evaluations:
+        kw["evaluations"] = args.evaluations
+    if args.exhaustive:
+        from .search import exhaustive_search
+        strategy, res, explored = exhaustive_search(graph, machine, _cost_model(machine))
+        out = _sim_json(label, machine, "exhaustive", res, graph.batch_size)
+        out["explored"] = explored
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(strategy.to_json())
+        print(json.dumps(out) if args.json else strategy.table() + "\n" + json.dumps(out, indent=1))
+        return 0
+    result = search(graph, machine, budget=args.budget, seed=args.seed,
+                    cost_model=_cost_model(machine), init=init,
+                    progress=None if not args.json else False, **kw)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(result.strategy.to_json())
+    if args.json:
+        out = _sim_json(label, machine, "searched", result.result, graph.batch_size)
+        out["baselines"] = {k: {"iteration_time_ms": r.iteration_time * 1e3,
+                                "comm_bytes": r.comm_bytes, "sync_bytes": r.sync_bytes}
+                            for k, r in result.baselines.items()}
+        out["search_seconds"] = result.seconds
+        out["evaluations"] = result.evaluations
+        print(json.dumps(out))
+        return 0
+    print(result.strategy.table())
+    print()
+    _print_sim(label, machine, "searched", result.result, graph.batch_size)
+    print(f"  search: {result.evaluations} evaluations in {result.seconds:.1f} s")
+    base = result.baselines
+    print("\n  strategy          iteration ms   speedup   moved        sync")
+    for k, r in list(base.items()) + [("searched", result.result)]:
+        sp = base["data_parallel"].iteration_time / r.iteration_time
+        print(f"  {k:<16} {r.iteration_time * 1e3:12.3f} {sp:8.2f}x   "
+              f"{_fmt_bytes(r.comm_bytes):>10} {_fmt_bytes(r.sync_bytes):>10}")
+    if args.out:
+        print(f"\nstrategy written to {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flexflow", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("models", help="list the zoo models").set_defaults(fn=cmd_models)
+
+    t = sub.add_parser("trace", help="op table and strategy-space size of a model")
+    t.add_argument("model")
+    t.add_argument("--batch", type=int)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_trace)
+
+    pr = sub.add_parser("profile", help="measure op times (cached on disk)")
+    pr.add_argument("model", nargs="?")
+    pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    pr.add_argument("--batch", type=int)
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--comm", action="store_true", help="calibrate gloo links between local processes")
+    pr.add_argument("--nprocs", type=int, default=2)
+    pr.set_defaults(fn=cmd_profile)
+
+    for name, fn in (("simulate", cmd_simulate), ("search", cmd_search)):
+        s = sub.add_parser(name)
+        s.add_argument("model")
+        s.add_argument("--machine", required=True, help="preset name or machine .json file")
+        s.add_argument("--devices", type=int)
+        s.add_argument("--batch", type=int)
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(fn=fn)
+        if name == "simulate":
+            s.add_argument("--strategy", default="data_parallel")
+            s.add_argument("--trace", help="write a Chrome/Perfetto timeline here")
+        else:
+            s.add_argument("--budget", type=float, default=30.0, help="seconds")
+            s.add_argument("--evaluations", type=int, help="evaluation budget (reproducible)")
+            s.add_argument("--seed", type=int, default=0)
+            s.add_argument("--out", help="write the best strategy here (JSON)")
+            s.add_argument("--init", help="start a chain from this strategy file")
+            s.add_argument("--exhaustive", action="store_true", help="exact search (small cases)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .strategy import StrategyError
+    from .trace import TraceError
+    try:
+        return args.fn(args)
+    except (CLIError, TraceError, StrategyError, ValueError, FileNotFoundError) as e:
+        print(f"flexflow {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
