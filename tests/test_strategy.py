@@ -168,7 +168,7 @@ def test_builtins():
     ex = Strategy.expert(g, P100_4)
     cells = [op for op in g.ops if op.kind == "lstm_cell"]
     assert all(ex[c.name] == ParallelConfig({"n": 4}, range(4)) for c in cells)
-    assert ex["proj"].degrees == {"c": 4}
+    assert ex["decoder"].degrees == {"c": 4}
 
 
 def test_shared_ops_change_together():
