@@ -197,10 +197,9 @@ def _print_sim(label, machine, strategy_name, res, batch):
 
 
 def cmd_simulate(args) -> int:
-    from .cost import CostModel
+    machine = _machine(args)
     from .simulate import Simulator
     from .trace import trace
-    machine = _machine(args)
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
     graph = trace(module, inputs)
     strategy = _strategy_arg(args.strategy, graph, machine)
@@ -226,10 +225,9 @@ def _cost_model(machine):
 
 
 def cmd_search(args) -> int:
-    from .search import search
-    from .strategy import Strategy, StrategyError
-    from .trace import trace
     machine = _machine(args)
+    from .search import search
+    from .trace import trace
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
     graph = trace(module, inputs)
     init = None

@@ -1,0 +1,62 @@
+"""The command line: contract output and one-line errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flexflow.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and out.split() == ["lenet", "alexnet", "inception_v3", "resnet101", "rnntc",
+                                         "rnnlm", "nmt", "transformer"]
+
+
+def test_trace_table_and_summary(capsys):
+    code, out, _ = run(capsys, "trace", "lenet")
+    assert code == 0
+    assert "conv1" in out and "conv2d" in out and "64x20x24x24" in out
+    assert "strategy space on 4 devices: 10^" in out and "opaque ops: none" in out
+    code, out, _ = run(capsys, "trace", "lenet", "--batch", "8", "--json")
+    d = json.loads(out)
+    assert d["ops"] == 11 and d["table"][2]["shape"] == "8x20x24x24"
+    assert set(d["log10_strategies"]) == {"4", "16"}
+
+
+def test_user_model_file(tmp_path, capsys):
+    f = tmp_path / "mymodel.py"
+    f.write_text(
+        "import torch, torch.nn as nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = nn.Linear(4, 3)\n"
+        "    def forward(self, x):\n"
+        "        return torch.special.erfcx(self.fc(x)).sum()\n"
+        "def build():\n"
+        "    return M(), (torch.randn(5, 4),)\n")
+    code, out, _ = run(capsys, "trace", f"{f}:build")
+    assert code == 0 and "opaque ops: special_erfcx" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (("trace", "nosuchmodel"), "unknown model 'nosuchmodel'"),
+    (("trace", "missing.py:build"), "model file 'missing.py' does not exist"),
+    (("simulate", "lenet", "--machine", "tpu-pod"), "tpu-pod"),
+    (("simulate", "lenet", "--machine", "p100-cluster", "--devices", "99"), "devices=99"),
+])
+def test_errors_are_one_line(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_script_runs():
+    r = subprocess.run([sys.executable, "-m", "flexflow.cli", "models"], capture_output=True, text=True)
+    assert r.returncode == 0 and "transformer" in r.stdout
