@@ -6,18 +6,21 @@ random tensors of the partition's input and parameter region shapes (integer
 inputs drawn as valid indices for their consumer: token ids below the
 embedding's vocabulary, class targets below the logits' class count), then
 ``RULES[op.rule].compute`` forward and a backward through it (gradient of
-the sum of the output w.r.t. float inputs and parameters).  One warm-up (two
-for fast ops), the median of ``repeats`` runs; CUDA events and a synchronize
-on GPUs, ``time.perf_counter`` on CPU under the current
-``torch.get_num_threads()`` (which the profiler never changes).
+the sum of the output w.r.t. float inputs and parameters; in-place ops get
+fresh untimed copies).  One warm-up (two for fast ops), the median of
+``repeats`` runs; CUDA events and a synchronize on GPUs, ``time.perf_counter``
+on CPU under the current ``torch.get_num_threads()`` (which the profiler
+never changes; it is part of the CPU device name).
 
 Cache layout: ``flexflow.comm.cache_dir()/profiles/<device name>.json``, one
 file per device name (``cpu-<cpu model>-<threads>t``, ``cuda-<GPU name>``)::
 
-    {"format": "flexflow-profile", "version": 1,
-     "device_name": "cuda-NVIDIA_H200", "device_kind": "H200",
-     "entries": {"<json of CostModel.key>": {"fwd_s": .., "bwd_s": .., "kind": .., "rule": ..,
-                  "dtype": .., "flops": .., "bytes": .., "repeats": .., "threads": .., ...}}}
+    {"format": "flexflow-profile", "version": 1, "device_name": "cuda-NVIDIA_H200",
+     "device_kind": "H200", "torch": "2.x", "entries": {
+    "<json of CostModel.key>": {"fwd_s": .., "bwd_s": .., "kind": .., "rule": .., "dtype": ..,
+        "flops": .., "bytes": .., "backward_factor": .., "output_shape": .., "runs": ..,
+        "threads": .., "op": <first op name>, ...},       <- one entry per line
+    ...}}
 
 Saving takes an exclusive ``fcntl.flock`` on ``<file>.lock``, re-reads the
 file, merges (this process's new entries win) and replaces it atomically
@@ -158,7 +161,7 @@ def _read(path: Path, quiet=False):
     """(header dict, entries dict) of a profile file; None when missing; ({}, {}) with a
     warning when corrupt."""
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -166,7 +169,7 @@ def _read(path: Path, quiet=False):
             warnings.warn(f"cannot read profile cache {path}: {e}; starting an empty one")
         return {}, {}
     try:
-        d = json.loads(text)
+        d = json.loads(text)  # bytes: bad UTF-8 is a ValueError too
         if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(d.get("entries"), dict):
             raise ValueError("not a flexflow profile file")
         if d.get("version") != VERSION:
@@ -208,7 +211,8 @@ class ProfileDB:
         path = Path(path) if path is not None else profiles_dir(profile_dir) / f"{device_name}.json"
         got = _read(path)
         header, entries = got if got is not None else ({}, {})
-        kind = device_kind or header.get("device_kind") or _kind_from_name(device_name)
+        kind = header.get("device_kind") if isinstance(header.get("device_kind"), str) else None
+        kind = device_kind or kind or _kind_from_name(device_name)
         return cls(device_name, kind, path, entries, read_only)
 
     @classmethod
@@ -218,7 +222,8 @@ class ProfileDB:
         there is one, else the largest cpu file), backed by the package's read-only
         ``profile-<kind>.json`` when it exists."""
         d = profiles_dir(profile_dir)
-        files = sorted(p for p in d.glob("*.json") if _kind_from_name(p.stem) == device_kind) \
+        files = sorted(p for p in d.glob("*.json")
+                       if not p.name.startswith(".") and _kind_from_name(p.stem) == device_kind) \
             if d.is_dir() else []
         dbs = [cls.load(p.stem, p) for p in files]
         dbs = [db for db in dbs if db.device_kind == device_kind and len(db)]
@@ -269,17 +274,18 @@ class ProfileDB:
         if self.read_only or self.path is None:
             raise RuntimeError(f"profile {self.device_name!r} is read-only ({self.path})")
         with _locked(self.path):
-            got = _read(self.path)
+            got = _read(self.path, quiet=True)  # a corrupt file was reported on load: replace it
             disk = got[1] if got is not None else {}
             disk.update(self._dirty)
-            doc = {"format": FORMAT, "version": VERSION, "device_name": self.device_name,
-                   "device_kind": self.device_kind, "torch": torch.__version__,
-                   "entries": dict(sorted(disk.items()))}
+            head = json.dumps({"format": FORMAT, "version": VERSION, "device_name": self.device_name,
+                               "device_kind": self.device_kind, "torch": torch.__version__})
+            body = ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(disk.items()))
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}-", suffix=".json", dir=self.path.parent)
             try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, indent=1)
-                    f.write("\n")
+                with os.fdopen(fd, "w") as f:  # one entry per line: valid JSON, easy to grep
+                    f.write(f'{head[:-1]}, "entries": {{\n{body}\n}}}}\n')
+                with contextlib.suppress(OSError):  # readable by others, as a plain file would be
+                    os.chmod(tmp, self.path.stat().st_mode & 0o777 if self.path.exists() else 0o644)
                 os.replace(tmp, self.path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -291,7 +297,7 @@ class ProfileDB:
 
     def efficiency(self, spec) -> dict[str, float]:
         """Per-rule efficiency fitted to these measurements for a device spec."""
-        return fit_efficiency({**self.fallback, **self.entries}.values(), spec)
+        return fit_efficiency(self, spec)
 
     def __repr__(self) -> str:
         return f"ProfileDB({self.device_name!r}, kind={self.device_kind!r}, {len(self)} entries, {self.path})"
@@ -316,11 +322,11 @@ def _make_inputs(op, part, dev, gen, graph=None) -> tuple[list, dict]:
             continue
         shape = region_shape(r)
         if dt.is_floating_point:
-            t = torch.randn(shape, generator=gen).to(dev, dt).requires_grad_(True)
+            t = torch.randn(shape, generator=gen, device=dev).to(dt).requires_grad_(True)
         elif dt == torch.bool:
-            t = torch.randint(0, 2, shape, generator=gen).to(dev, torch.bool)
+            t = torch.randint(0, 2, shape, generator=gen, device=dev).to(torch.bool)
         else:
-            t = _int_input(op, i, r, shape, gen, graph).to(dev, dt)
+            t = _int_input(op, i, r, shape, gen, graph, dev).to(dev, dt)
         ins.append(t)
     params = {}
     for k, r in part.params.items():
@@ -329,16 +335,17 @@ def _make_inputs(op, part, dev, gen, graph=None) -> tuple[list, dict]:
             if "num_batches" in k:
                 params[k] = torch.zeros(shape, dtype=torch.long, device=dev)
             else:
-                params[k] = (torch.rand(shape, generator=gen) + 0.5).to(dev, op.dtype)
+                params[k] = (torch.rand(shape, generator=gen, device=dev) + 0.5).to(op.dtype)
         else:
-            params[k] = (torch.randn(shape, generator=gen) * 0.1).to(dev, op.dtype).requires_grad_(True)
+            w = torch.randn(shape, generator=gen, device=dev) * 0.1
+            params[k] = w.to(op.dtype).requires_grad_(True)
     return ins, params
 
 
-def _int_input(op, i, region, shape, gen, graph):
+def _int_input(op, i, region, shape, gen, graph, dev):
     bound = _int_bound(op, i)
     if bound:
-        return torch.randint(0, bound, shape, generator=gen)
+        return torch.randint(0, bound, shape, generator=gen, device=dev)
     src = graph.op(op.inputs[i]) if graph is not None and op.inputs[i] in graph else None
     if src is not None and src.kind == "constant" and graph.module is not None:
         with contextlib.suppress(Exception):  # the real constant (e.g. positions), when it exists
@@ -346,7 +353,7 @@ def _int_input(op, i, region, shape, gen, graph):
             v = constant_value_of(src, graph.module)
             if v.device.type != "meta":
                 return v[region].detach().cpu().clone()
-    return torch.zeros(shape, dtype=torch.long)  # index 0 is valid for any consumer
+    return torch.zeros(shape, dtype=torch.long, device=dev)  # index 0 is valid for any consumer
 
 
 def _tensors(x):
@@ -391,15 +398,25 @@ def profile_partition(op, part, device="cpu", repeats: int = 5, warmup: int = 1,
     counted; runs stop early after ``max_seconds`` once 3 were counted.  ``graph``
     lets integer inputs fed by constants use the real constant."""
     dev = _torch_device(device)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     ins, params = _make_inputs(op, part, dev, gen, graph)
+    try:
+        return _measure(op, part, dev, ins, params, repeats, warmup, max_seconds, clone=False)
+    except RuntimeError as e:  # an in-place op on a leaf: feed it fresh copies (made untimed)
+        if "in-place" not in str(e):
+            raise
+        return _measure(op, part, dev, ins, params, repeats, warmup, max_seconds, clone=True)
+
+
+def _measure(op, part, dev, ins, params, repeats, warmup, max_seconds, clone):
     rule, timer = RULES[op.rule], _Timer(dev)
     leaves = [t for t in list(ins) + list(params.values()) if t is not None and t.requires_grad]
     fwd_t, bwd_t, grads = [], [], None
     started, it, warm = None, 0, max(0, warmup)
     while len(fwd_t) < max(1, repeats):
+        args = [t.clone() if clone and t is not None and t.is_floating_point() else t for t in ins]
         t0 = timer.start()
-        out = rule.compute(op, part.block, ins, params)
+        out = rule.compute(op, part.block, args, params)
         tf = timer.stop(t0)
         outs = [o for o in _tensors(out) if o.requires_grad]
         tb = 0.0
@@ -485,7 +502,8 @@ def _configs_for(op, strategy, configs) -> list:
 
 def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int = 5,
                   progress: bool = False, *, db: ProfileDB | None = None, profile_dir=None,
-                  warmup: int = 1, max_seconds: float = 2.0, save: bool = True) -> ProfileReport:
+                  warmup: int = 1, max_seconds: float = 2.0, save: bool = True,
+                  ops=None) -> ProfileReport:
     """Profile every distinct partition key of ``graph``'s compute ops on ``device``
     ("cpu", "cuda", "cuda:1"), each once; keys already in the cache are not re-run.
 
@@ -494,6 +512,7 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     e.g. ``candidate_configs(op, machine)``), ops covered by neither whole.
     ``db``: the ProfileDB to use (default: this device's file in ``profile_dir`` or the
     cache).  New measurements are saved (merged under a lock) unless ``save=False``.
+    ``ops``: only these op names (default: every compute op).
     ``progress``: a tqdm bar on stderr when it is a terminal.  An op that fails to run
     is reported with its ``error`` and not cached; the others go on."""
     t_start = time.perf_counter()
@@ -502,7 +521,10 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     if db is None:
         db = ProfileDB.load(name, profile_dir=profile_dir, device_kind=device_kind_of(dev))
     groups: dict[str, dict] = {}
+    only = None if ops is None else set(ops)
     for op in graph.compute_ops:
+        if only is not None and op.name not in only:
+            continue
         for config in _configs_for(op, strategy, configs):
             for part in partitions(op, config):
                 k = key_str(_KEYER.key(op, part))

@@ -170,5 +170,5 @@ class LSTMCell(Rule):
     def flops(self, op, block):
         _, n, hs = region_shape(out_region(op, block))
         x_in = op.input_shapes[0][1]
-        H = op.output_shape[2]
+        H = op.output_shape[2] if len(op.input_shapes) == 3 else 0  # no state: no h @ W_hh
         return 2.0 * n * 4 * hs * (x_in + H) + 12.0 * n * hs
