@@ -148,14 +148,12 @@ def cmd_profile(args) -> int:
     module, inputs, label = load_model(args.model, args.batch, meta=True)
     from .trace import trace
     graph = trace(module, inputs)
-    rep = profile.profile_graph(graph, device=args.device, progress=not args.json)
+    rep = profile.profile_graph(graph, device=args.device, progress=not args.json and sys.stderr.isatty())
     if args.json:
         print(json.dumps({"model": label, "device": args.device, "ops": rep.ops,
                           "measured": rep.measured, "cached": rep.cached}, default=str))
     else:
-        for o in rep.ops:
-            print(f"{o['op']:<28} {o['kind']:<20} fwd {o['forward_ms']:9.3f} ms  "
-                  f"bwd {o['backward_ms']:9.3f} ms{'  (cached)' if o.get('cached') else ''}")
+        print(rep.table())
         print(f"{len(rep.ops)} distinct ops: {rep.measured} measured, {rep.cached} from cache")
     return 0
 
