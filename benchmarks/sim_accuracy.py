@@ -1,0 +1,179 @@
+"""Simulator against real runs (the paper's Figure 11), on this machine.
+
+For a CNN, a recurrent model and the transformer, scaled to run here, and at
+least five strategies each, on 2 gloo processes (one thread each): the
+iteration time the simulator predicts (machine calibrated with
+``flexflow profile --comm``, ops profiled on this CPU) against the measured
+time of a training step with the executor.  Reports each case's relative
+error and Kendall's tau of the ranking per model, and plots predicted
+against measured.
+
+    python benchmarks/sim_accuracy.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+# model, global batch: sized so that compute dominates Python overheads here
+CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32)]
+NPROCS = 2
+
+
+def kendall_tau(xs, ys) -> float:
+    """Kendall's tau-a between two rankings (ties count as discordant halves)."""
+    n, s = len(xs), 0.0
+    for i in range(n):
+        for j in range(i + 1, n):
+            a, b = xs[i] - xs[j], ys[i] - ys[j]
+            s += 1.0 if a * b > 0 else (-1.0 if a * b < 0 else 0.0)
+    return s / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
+def _measure(rank, name, batch, strategies_json, warmup, steps):
+    """Run in each process: median step time of every strategy."""
+    import torch
+    import torch.distributed as dist
+
+    import flexflow as ff
+    torch.set_num_threads(1)
+    module, inputs = ff.models.get(name, size="small", batch_size=batch)
+    out = {}
+    for label, text in strategies_json.items():
+        graph = ff.trace(module, inputs)
+        strategy = ff.Strategy.from_json(text, graph)
+        model = ff.parallelize(module, NPROCS, example_inputs=inputs, strategy=strategy)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        times = []
+        for i in range(warmup + steps):
+            dist.barrier()
+            t = time.perf_counter()
+            opt.zero_grad()
+            loss = model(*inputs)
+            loss.backward()
+            opt.step()
+            dist.barrier()
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+        out[label] = statistics.median(times)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps")
+    p.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
+                   help="profiles and the calibrated machine file (default benchmarks/.cache)")
+    a = p.parse_args(argv)
+    os.environ["FLEXFLOW_CACHE_DIR"] = a.cache_dir
+    import torch
+
+    import flexflow as ff
+    from flexflow.cost import CostModel
+    from flexflow.profile import calibrate_comm, profile_graph
+    from flexflow.simulate import Simulator
+    torch.set_num_threads(1)
+    t0 = time.time()
+    figures = calibrate_comm(nprocs=NPROCS)
+    print(f"calibrated gloo: {figures['latency_s'] * 1e6:.0f} us, {figures['bandwidth_Bps'] / 1e9:.2f} GB/s",
+          flush=True)
+    machine = ff.Machine.preset("cpu", devices=NPROCS)
+    warmup, steps = (2, 5) if a.quick else (3, 12)
+    rows = []
+    for name, batch in CASES:
+        module, inputs = ff.models.get(name, size="small", batch_size=batch)
+        graph = ff.trace(module, inputs)
+        strategies = {
+            "data_parallel": ff.Strategy.data_parallel(graph, machine),
+            "model_parallel": ff.Strategy.model_parallel(graph, machine),
+            "expert": ff.Strategy.expert(graph, machine),
+            "random1": ff.Strategy.random(graph, machine, 1),
+            "random2": ff.Strategy.random(graph, machine, 2),
+        }
+        for label, s in strategies.items():
+            profile_graph(graph, "cpu", strategy=s, repeats=3 if a.quick else 5)
+        cost = CostModel.for_machine(machine)
+        searched = ff.search(graph, machine, budget=5 if a.quick else 15, seed=0, cost_model=cost)
+        strategies["searched"] = searched.strategy
+        profile_graph(graph, "cpu", strategy=searched.strategy, repeats=3 if a.quick else 5)
+        cost = CostModel.for_machine(machine)
+        sim = Simulator(graph, machine, cost)
+        predicted = {k: sim.simulate(s, incremental=False).iteration_time for k, s in strategies.items()}
+        measured = ff.launch(_measure, NPROCS, name, batch, {k: s.to_json() for k, s in strategies.items()},
+                             warmup, steps)[0]
+        for k in strategies:
+            err = (predicted[k] - measured[k]) / measured[k]
+            rows.append({"model": name, "batch": batch, "strategy": k, "predicted_ms": predicted[k] * 1e3,
+                         "measured_ms": measured[k] * 1e3, "error": err})
+            print(f"{name:<12} {k:<15} predicted {predicted[k] * 1e3:8.2f} ms  measured "
+                  f"{measured[k] * 1e3:8.2f} ms  error {err * 100:+6.1f}%", flush=True)
+    taus = {}
+    for name, _ in CASES:
+        sub = [r for r in rows if r["model"] == name]
+        taus[name] = kendall_tau([r["predicted_ms"] for r in sub], [r["measured_ms"] for r in sub])
+    errs = [abs(r["error"]) for r in rows]
+    summary = {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
+               "within_30pct": sum(e < 0.3 for e in errs), "cases": len(errs), "kendall_tau": taus,
+               "calibration": {k: v for k, v in figures.items() if k != "samples"},
+               "seconds": time.time() - t0}
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "sim_accuracy.json"), "w") as f:
+        json.dump({"rows": rows, "summary": summary}, f, indent=1, default=str)
+    _plot(rows)
+    cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "")
+    lines = ["# Simulator against real runs (Figure 11 of the paper, on this machine)", "",
+             f"Command: `{cmd}` ({summary['seconds']:.0f} s). 2 gloo processes on this host's 2 CPU cores, "
+             "one thread each; the cpu machine calibrated first (`flexflow profile --comm`), every op "
+             "partition the strategies need profiled on this CPU. Measured = median step time "
+             f"(forward, backward, gradient sync, SGD step) over {steps} steps after {warmup} warm-up steps.",
+             "", "| model (small) | batch | strategy | predicted ms | measured ms | error |",
+             "|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['strategy']} | {r['predicted_ms']:.2f} | "
+                     f"{r['measured_ms']:.2f} | {r['error'] * 100:+.1f}% |")
+    lines += ["", f"Median |error| {summary['median_abs_error'] * 100:.1f}% (aim < 15%), largest "
+              f"{summary['max_abs_error'] * 100:.1f}% (aim < 30%), {summary['within_30pct']} of "
+              f"{summary['cases']} cases within 30%.", "",
+              "Kendall's tau of predicted against measured ranking: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in taus.items()) + " (1.0 = ranking kept).", "",
+              "![predicted against measured](sim_accuracy.png)", ""]
+    with open(os.path.join(RESULTS, "sim_accuracy.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines[-6:]))
+    return 0
+
+
+def _plot(rows) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        sub = [r for r in rows if r["model"] == name]
+        ax.scatter([r["measured_ms"] for r in sub], [r["predicted_ms"] for r in sub], label=name)
+    lo = min(min(r["measured_ms"], r["predicted_ms"]) for r in rows) * 0.7
+    hi = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.4
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="exact")
+    ax.fill_between([lo, hi], [lo * 0.7, hi * 0.7], [lo * 1.3, hi * 1.3], color="grey", alpha=0.15,
+                    label="±30%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured iteration time (ms)")
+    ax.set_ylabel("simulated iteration time (ms)")
+    ax.set_title("Simulator vs real execution, 2 gloo processes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "sim_accuracy.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
