@@ -1,0 +1,658 @@
+"""Per-rank runtime: run a strategy for real with torch.distributed.
+
+Each rank walks the OpGraph in order and computes the partitions placed on
+it (``config.devices[k]`` is global rank ``ranks[k]``).  Everything it moves
+comes from :func:`flexflow.strategy.partitions`, :func:`overlap` and
+:func:`param_placement`, planned once at setup:
+
+Exchange plan
+    For input i of op C fed by producer P, every consumer partition c needs
+    ``c.inputs[i]``; the piece it gets from producer partition q is
+    ``overlap(c.inputs[i], q.output)`` (summed over q when P is partial).
+    A piece whose two ends are on the same rank is a local slice.  An input
+    with at least one cross-rank piece anywhere becomes an *exchange step*,
+    numbered in graph order; every rank with a cross-rank piece in it runs
+    the step's isend/irecv (tag = 2 × step, backward 2 × step + 1) and waits
+    for all of them before moving on.  All ranks take part in the steps in
+    the same global order, so the forward cannot deadlock.
+
+Token chain
+    A scalar token (requires_grad) is threaded through every autograd
+    Function of the runtime in forward order (exchange steps, gradient
+    gates, output steps): each takes the token and returns a new one.
+    The backward therefore runs them in exactly the reverse order on every
+    rank, and a rank that only sends in a step still has its backward
+    (which receives the gradient pieces) called.
+
+Outputs
+    Each graph output is summed over the world with one all_reduce (a
+    rank adds its partition's block; partial blocks add up, disjoint blocks
+    tile), so every rank returns the full value.  Its backward needs no
+    communication: every rank calls backward with the same loss, so each
+    takes the gradient of its own block.
+
+Gradient sync
+    A parameter shard held by several ranks (``ParamShard.devices``) has its
+    gradient all-reduced (SUM: the loss's partial sums already carry the
+    global 1/N, so each replica holds a partial of the true gradient) among
+    exactly those ranks, in one process group per distinct set of ranks
+    (created once, by every rank, in the same order).  Buckets are static:
+    a rank's replicated shards, in the order their gradients complete in the
+    backward (latest first use first), packed per (group, dtype) up to
+    ``bucket_cap_mb``.  Each bucket's shards pass, at the earliest first use
+    among them, through a *gate* Function on the token chain; later uses
+    read the gated tensors.  The gate's backward runs after the backward of
+    every use (all come later in forward order), so it holds the bucket's
+    complete local gradients and launches the bucket's all-reduce
+    asynchronously; the rest of the backward overlaps with it.  Every member
+    of a group holds the same shards, forms the same buckets and meets the
+    gates in the same chain order, so launches match across members.  An
+    engine callback at the end of the backward waits for every handle and
+    adds the reduced gradients to ``param.grad`` (the gate gives the
+    parameter itself no gradient; accumulation over several backward calls
+    works as usual).  Shards held by one rank use plain AccumulateGrad.
+
+BatchNorm split along samples or space normalises with per-replica batch
+statistics and keeps per-replica running statistics, as DistributedDataParallel
+does (``state_dict`` reports those of the first rank of each shard); a
+channel split is exact.  Dropout draws per partition.
+
+Contract with the caller: every rank runs every forward with the same
+global inputs, and calls backward on the same outputs (the runtime's
+Functions communicate in both directions).  Gradients flow to parameters,
+not to the graph inputs.  The shapes are those of the traced example.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .ir import Op, OpGraph, dtype_bytes
+from .localrun import constant_value_of, whole_config
+from .ops import RULES
+from .ops.base import region_shape
+from .strategy import Partition, Strategy, overlap, param_placement, partitions
+
+__all__ = ["Runtime", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB"]
+
+BUCKET_CAP_MB = 25.0
+
+
+class ExecutorError(RuntimeError):
+    """The runtime cannot run a graph/strategy as given."""
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Piece:
+    """One block moving from a producer partition to a consumer partition."""
+
+    src: int  # global rank holding the producer partition
+    dst: int  # global rank of the consumer partition
+    src_region: tuple  # within the producer partition's output block
+    dst_region: tuple  # within the consumer partition's input region
+    shape: tuple
+
+
+@dataclass
+class Exchange:
+    """An input of an op that moves data between ranks (this rank's view of it)."""
+
+    index: int  # position among the exchange steps of the graph: tags 2i / 2i+1
+    consumer: str
+    input: int
+    producer: str
+    partial: bool  # producer partitions hold partial sums: pieces add up
+    dtype: torch.dtype
+    grad: bool  # gradients flow back to the producer
+    out_shape: tuple | None  # this rank's consumer input region (None: consumes nothing)
+    in_shape: tuple | None  # this rank's producer block (None: holds none)
+    sends: list = field(default_factory=list)
+    recvs: list = field(default_factory=list)
+    local: list = field(default_factory=list)
+
+
+@dataclass
+class _Gate:
+    """Gradient buckets that are complete once the backward passes this op."""
+
+    op: str
+    buckets: list  # [(group key, [qual, ...])], in launch order
+    quals: list  # every qual of the buckets, in order
+
+
+@dataclass
+class _Output:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    partial: bool
+    region: tuple | None  # this rank's block of the output
+
+
+@dataclass
+class _Step:
+    """What this rank does for one op of the graph."""
+
+    op: Op
+    part: Partition | None
+    everywhere: bool = False
+    inputs: list = field(default_factory=list)  # per input: None | (mode, src, data)
+    gate: _Gate | None = None
+    params: list = field(default_factory=list)  # (local, qual, reshape_to, region)
+
+
+def tensor_of(module: torch.nn.Module, qual: str) -> torch.Tensor:
+    """A parameter or buffer of ``module`` by qualified name."""
+    try:
+        return module.get_parameter(qual)
+    except AttributeError:
+        return module.get_buffer(qual)
+
+
+def _rel(region: tuple, base: tuple) -> tuple:
+    return tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, base))
+
+
+def _is_full(region: tuple, shape) -> bool:
+    return all(s.start == 0 and s.stop == n for s, n in zip(region, shape))
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _wire_dtype(dtype):
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+# --------------------------------------------------------------------------- runtime
+class Runtime:
+    """One rank's share of a (graph, strategy): its parameter shards, its
+    program and the static communication plan.  Build it on every rank of
+    the world with the same arguments (it creates process groups)."""
+
+    def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
+                 *, device=None, timeout_s: float = 300.0, bucket_cap_mb: float = BUCKET_CAP_MB):
+        self.graph, self.strategy, self.module = graph, strategy, module
+        self.ranks = [int(r) for r in ranks]  # device k of the strategy -> global rank
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.timeout = datetime.timedelta(seconds=float(timeout_s))
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.nccl = self.distributed and dist.get_backend() == "nccl"
+        if len(set(self.ranks)) != len(self.ranks) or any(not 0 <= r < self.world for r in self.ranks):
+            raise ExecutorError(f"devices {self.ranks} must be distinct ranks of the world (0..{self.world - 1})")
+        used = max(strategy.devices_used(), default=0)
+        if used >= len(self.ranks):
+            raise ExecutorError(f"strategy {strategy.name!r} uses device {used} but only "
+                                f"{len(self.ranks)} devices (ranks {self.ranks}) are given")
+        self.placement = param_placement(graph, strategy)
+        self._make_shards()
+        self._make_program()
+        self._make_groups()
+        self.sync = _GradSync(self)
+
+    # -- setup --------------------------------------------------------------
+    def _parts(self, op: Op) -> list[Partition]:
+        return partitions(op, self.strategy[op.name])
+
+    def _mine(self, parts) -> Partition | None:
+        for p in parts:
+            if self.ranks[p.device] == self.rank:
+                return p
+        return None
+
+    def _make_shards(self) -> None:
+        """This rank's block of every parameter and buffer it reads."""
+        self.params: dict[str, torch.nn.Parameter] = OrderedDict()
+        self.buffers: dict[str, torch.Tensor] = OrderedDict()
+        self.shards: dict[str, tuple] = {}  # qual -> (view, region, ranks of the shard)
+        for qual, (view, shards, trainable) in self.placement.items():
+            for s in shards:
+                ranks = tuple(sorted(self.ranks[d] for d in s.devices))
+                if self.rank in ranks:
+                    self.shards[qual] = (view, s.region, ranks)
+            if qual not in self.shards:
+                continue
+            view, region, _ = self.shards[qual]
+            src = tensor_of(self.module, qual)
+            t = src.detach().reshape(view)[region].clone().to(self.device)
+            if trainable:
+                self.params[qual] = torch.nn.Parameter(t, requires_grad=src.requires_grad)
+            else:
+                self.buffers[qual] = t
+
+    def _make_program(self) -> None:
+        g = self.graph
+        first_use: dict[str, int] = {}
+        for op in g.compute_ops:
+            for qual in op.params.values():
+                first_use.setdefault(qual, g.index[op.name])
+        gates = self._plan_buckets(first_use)
+        needs_grad: set[str] = set()
+        self.program: list[_Step] = []
+        self.exchanges: list[Exchange] = []  # this rank's exchange steps
+        self.num_exchanges = 0
+        self.comm_bytes = 0  # activation bytes moved per forward, all ranks together
+        for op in g.ops:
+            if op.everywhere:
+                self.program.append(_Step(op, partitions(op, whole_config(op))[0], everywhere=True))
+                continue
+            if any(self.placement[q][2] for q in op.params.values()) or any(s in needs_grad for s in op.inputs):
+                needs_grad.add(op.name)
+            parts = self._parts(op)
+            step = _Step(op, self._mine(parts))
+            for i, src in enumerate(op.inputs):
+                step.inputs.append(self._plan_input(op, parts, step.part, i, src, src in needs_grad))
+            buckets = gates.get(g.index[op.name])
+            if buckets:
+                step.gate = _Gate(op.name, buckets, [q for _, qs in buckets for q in qs])
+            if step.part is not None:
+                step.params = self._param_access(op, step.part)
+            self.program.append(step)
+        self.outputs: dict[str, _Output] = {}  # outputs assembled across ranks
+        for name in g.output_names():
+            op = g.op(name)
+            if op.everywhere or name in self.outputs or self.world == 1:
+                continue
+            parts = self._parts(op)
+            mine = self._mine(parts)
+            self.outputs[name] = _Output(name, tuple(op.output_shape), op.dtype, parts[0].partial,
+                                         None if mine is None else mine.output)
+        self.chain_length = self.num_exchanges + len(gates) + len(self.outputs)
+        # values this rank can drop after each step (autograd keeps what backward needs)
+        last: dict[str, int] = {}
+        for i, step in enumerate(self.program):
+            for src, entry in zip(step.op.inputs, step.inputs if not step.everywhere else step.op.inputs):
+                if entry is not None:
+                    last[src] = i
+        keep = set(g.output_names())
+        self.free_before: list[list[str]] = [[] for _ in self.program]
+        for name, i in last.items():
+            if name not in keep and i + 1 < len(self.program):
+                self.free_before[i + 1].append(name)
+
+    def _plan_buckets(self, first_use: dict) -> dict[int, list]:
+        """Static gradient buckets of this rank's replicated shards.
+
+        Shards in the order their gradients complete in the backward (last
+        first use first), packed per (group, dtype) into buckets of at most
+        ``bucket_cap_bytes``; a bucket's gate sits at the earliest first use of
+        its shards.  Every member of a group holds the same shards, so every
+        member forms the same buckets and launches them in the same order."""
+        ready = sorted((q for q, (_, _, ranks) in self.shards.items()
+                        if len(ranks) > 1 and q in self.params and self.params[q].requires_grad),
+                       key=lambda q: -first_use[q])
+        open_: dict = {}  # (group key, dtype) -> [quals, bytes]
+        done = []
+        for q in ready:
+            p = self.params[q]
+            k = (self.shards[q][2], p.dtype)
+            b = open_.setdefault(k, [[], 0])
+            b[0].append(q)
+            b[1] += p.numel() * p.element_size()
+            if b[1] >= self.bucket_cap_bytes:
+                done.append((k, open_.pop(k)[0]))
+        done += [(k, v[0]) for k, v in sorted(open_.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+        gates: dict[int, list] = {}
+        for (key, _), quals in done:
+            gates.setdefault(min(first_use[q] for q in quals), []).append((key, quals))
+        return gates
+
+    def _plan_input(self, op: Op, parts, mine, i: int, src: str, grad: bool):
+        prod = self.graph.op(src)
+        need = mine is not None and mine.inputs[i] is not None
+        if prod.everywhere:
+            if not need:
+                return None
+            r = mine.inputs[i]
+            return ("whole", src, None if _is_full(r, prod.output_shape) else r)
+        pparts = self._parts(prod)
+        pieces = []
+        for c in parts:
+            r = c.inputs[i]
+            if r is None:
+                continue
+            for q in pparts:
+                ov = overlap(r, q.output)
+                if ov is not None:
+                    pieces.append(Piece(self.ranks[q.device], self.ranks[c.device], _rel(ov, q.output),
+                                        _rel(ov, r), region_shape(ov)))
+        remote = [p for p in pieces if p.src != p.dst]
+        index = None
+        if remote:
+            index = self.num_exchanges
+            self.num_exchanges += 1
+            self.comm_bytes += sum(math.prod(p.shape) for p in remote) * dtype_bytes(prod.dtype)
+        me = self.rank
+        sends = [p for p in remote if p.src == me]
+        recvs = [p for p in remote if p.dst == me]
+        if not sends and not recvs:  # nothing crosses this rank: a local slice
+            if not need:
+                return None
+            local = [p for p in pieces if p.dst == me]
+            if len(local) != 1 or pparts[0].partial or not _is_full(local[0].dst_region, local[0].shape):
+                raise ExecutorError(f"{op.describe()}: input {i} from {src} is not one local block")
+            q = self._mine(pparts)
+            return ("slice", src, None if _is_full(local[0].src_region, region_shape(q.output))
+                    else local[0].src_region)
+        qm = self._mine(pparts)
+        ex = Exchange(index, op.name, i, src, pparts[0].partial, prod.dtype,
+                      grad and prod.dtype.is_floating_point,
+                      region_shape(mine.inputs[i]) if need else None,
+                      None if qm is None else region_shape(qm.output),
+                      sends, recvs, [p for p in pieces if p.src == p.dst == me])
+        self.exchanges.append(ex)
+        return ("xchg", src, ex)
+
+    def _param_access(self, op: Op, part: Partition) -> list:
+        out = []
+        for local, qual in list(op.params.items()) + list(op.buffers.items()):
+            view = (op.param_views.get(local, op.param_shapes[local]) if local in op.params
+                    else op.buffer_shapes[local])
+            pview, box, _ = self.shards[qual]
+            region = part.params[local]
+            if tuple(view) == tuple(pview):
+                rel = _rel(region, box)
+                out.append((local, qual, None, None if _is_full(rel, region_shape(box)) else rel))
+            else:  # held whole in another view (a parameter read in two shapes)
+                out.append((local, qual, tuple(view), None if _is_full(region, view) else region))
+        return out
+
+    def _make_groups(self) -> None:
+        """Process groups, created by every rank in the same order."""
+        self.groups: dict[tuple, object] = {}
+        self.p2p_group = self.coll_group = None
+        if not self.distributed or self.world == 1:
+            return
+        every = list(range(self.world))
+        self.p2p_group = dist.new_group(every, timeout=self.timeout)
+        self.coll_group = dist.new_group(every, timeout=self.timeout)
+        keys = set()
+        for view, shards, trainable in self.placement.values():
+            if trainable:
+                for s in shards:
+                    ranks = tuple(sorted(self.ranks[d] for d in s.devices))
+                    if len(ranks) > 1:
+                        keys.add(ranks)
+        for key in sorted(keys):
+            self.groups[key] = dist.new_group(list(key), timeout=self.timeout)
+        # one collective on each new group first (NCCL batched p2p needs it)
+        flag = torch.zeros(1, device=self.device)
+        dist.all_reduce(flag, group=self.p2p_group)
+        dist.all_reduce(flag, group=self.coll_group)
+
+    # -- communication ------------------------------------------------------
+    def p2p(self, ops) -> list:
+        """Post (is_send, tensor, peer, tag) operations; returns the works."""
+        if not ops:
+            return []
+        if self.nccl:
+            return dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if s else dist.irecv, t, peer, self.p2p_group, tag)
+                for s, t, peer, tag in ops])
+        return [(dist.isend if s else dist.irecv)(t, peer, group=self.p2p_group, tag=tag)
+                for s, t, peer, tag in ops]
+
+    def wait(self, works) -> None:
+        for w in works:
+            if w is not None:
+                w.wait(self.timeout) if not self.nccl else w.wait()
+
+    # -- forward --------------------------------------------------------------
+    def run(self, inputs):
+        """The graph's outputs (full values on every rank) for the global inputs."""
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        input_ops = [op for op in self.graph.ops if op.kind == "input"]
+        if len(tensors) != len(input_ops):
+            raise ExecutorError(f"the model was traced with {len(input_ops)} tensor inputs, got {len(tensors)}")
+        grad = torch.is_grad_enabled()
+        token = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
+        vals: dict[str, torch.Tensor] = {}
+        for op, x in zip(input_ops, tensors):
+            if tuple(x.shape) != tuple(op.output_shape):
+                raise ExecutorError(f"input {op.name!r} has shape {tuple(x.shape)} but the model was traced "
+                                    f"(example_inputs) with {tuple(op.output_shape)}; the graph has fixed shapes")
+            vals[op.name] = x.to(self.device)
+        pvals: dict[str, torch.Tensor] = dict(self.params)
+        pvals.update(self.buffers)
+        if grad and self.sync.armed:  # a previous backward failed before its end
+            self.sync.reset()
+        for step, free in zip(self.program, self.free_before):
+            for name in free:
+                vals.pop(name, None)
+            op = step.op
+            if step.everywhere:
+                if op.kind == "constant":
+                    vals[op.name] = constant_value_of(op, self.module).to(self.device)
+                elif op.kind != "input":
+                    ins = [None if r is None else vals[s][r] for s, r in zip(op.inputs, step.part.inputs)]
+                    vals[op.name] = RULES[op.rule].compute(op, step.part.block, ins, {})
+                continue
+            ins = []
+            for entry in step.inputs:
+                if entry is None:
+                    ins.append(None)
+                    continue
+                mode, src, data = entry
+                if mode == "xchg":
+                    token, x = _ExchangeFn.apply(self, data, token, vals.get(src))
+                    ins.append(x)
+                else:
+                    x = vals[src]
+                    ins.append(x if data is None else x[data])
+            if step.gate is not None and grad:
+                quals = step.gate.quals
+                token, *gated = _GateFn.apply(self, step.gate, token, *[pvals[q] for q in quals])
+                pvals.update(zip(quals, gated))
+            if step.part is None:
+                continue
+            params = {}
+            for local, qual, reshape_to, region in step.params:
+                t = pvals[qual]
+                if reshape_to is not None:
+                    t = t.reshape(reshape_to)
+                params[local] = t if region is None else t[region]
+            vals[op.name] = RULES[op.rule].compute(op, step.part.block, ins, params)
+        results = {}
+        for name in self.graph.output_names():
+            if name in self.outputs:
+                results[name] = _OutputFn.apply(self, self.outputs[name], token, vals.get(name))
+            elif name in vals:
+                results[name] = vals[name]
+        return _structure(self.graph.outputs, results)
+
+    # -- state ----------------------------------------------------------------
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """qual -> full tensor (in its view shape) of every placed parameter and
+        buffer, gathered on every rank: the first rank of each shard contributes."""
+        fulls = OrderedDict()
+        for qual, (view, shards, trainable) in self.placement.items():
+            src = tensor_of(self.module, qual)
+            full = torch.zeros(view, dtype=src.dtype, device=self.device)
+            if qual in self.shards:
+                _, region, ranks = self.shards[qual]
+                if ranks[0] == self.rank:
+                    mine = self.params[qual] if qual in self.params else self.buffers[qual]
+                    full[region] = mine.detach()
+            fulls[qual] = full
+        if self.distributed and self.world > 1:
+            by_dtype: dict = {}
+            for qual, t in fulls.items():
+                by_dtype.setdefault(t.dtype, []).append(qual)
+            for dtype in sorted(by_dtype, key=str):
+                quals = by_dtype[dtype]
+                flat = torch.cat([_wire(fulls[q]).reshape(-1) for q in quals])
+                dist.all_reduce(flat, group=self.coll_group)
+                off = 0
+                for q in quals:
+                    n = fulls[q].numel()
+                    fulls[q] = flat[off:off + n].view(fulls[q].shape).to(dtype)
+                    off += n
+        return fulls
+
+    def load_from_module(self) -> None:
+        """Copy this rank's blocks from the (full) tensors of the module."""
+        with torch.no_grad():
+            for qual, (view, region, _) in self.shards.items():
+                dst = self.params[qual] if qual in self.params else self.buffers[qual]
+                dst.copy_(tensor_of(self.module, qual).detach().reshape(view)[region])
+
+
+def _structure(x, values):
+    if isinstance(x, str) and x in values:
+        return values[x]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_structure(y, values) for y in x)
+    if isinstance(x, dict):
+        return {k: _structure(v, values) for k, v in x.items()}
+    return x
+
+
+# --------------------------------------------------------------------------- autograd
+class _ExchangeFn(torch.autograd.Function):
+    """One exchange step: token, this rank's producer block -> token, its consumer region."""
+
+    @staticmethod
+    def forward(ctx, rt: Runtime, ex: Exchange, token, x):
+        ctx.rt, ctx.ex = rt, ex
+        tag = 2 * ex.index
+        wire = _wire_dtype(ex.dtype)
+        bufs = [torch.empty(p.shape, dtype=wire, device=rt.device) for p in ex.recvs]
+        ops = [(False, b, p.src, tag) for p, b in zip(ex.recvs, bufs)]
+        ops += [(True, _wire(x[p.src_region]).contiguous(), p.dst, tag) for p in ex.sends]
+        works = rt.p2p(ops)
+        out = None
+        single = (len(bufs) == 1 and not ex.local and not ex.partial and ex.out_shape is not None
+                  and tuple(ex.recvs[0].shape) == tuple(ex.out_shape))
+        if ex.out_shape is not None and not single:
+            out = (torch.zeros if ex.partial else torch.empty)(ex.out_shape, dtype=ex.dtype, device=rt.device)
+            for p in ex.local:
+                if ex.partial:
+                    out[p.dst_region] += x[p.src_region]
+                else:
+                    out[p.dst_region] = x[p.src_region]
+        rt.wait(works)
+        if single:
+            out = bufs[0].to(ex.dtype)
+        elif out is not None:
+            for p, b in zip(ex.recvs, bufs):
+                if ex.partial:
+                    out[p.dst_region] += b.to(ex.dtype)
+                else:
+                    out[p.dst_region] = b.to(ex.dtype)
+        if out is not None and not ex.grad:  # integers, or values no parameter feeds
+            ctx.mark_non_differentiable(out)
+        return token.clone(), out
+
+    @staticmethod
+    def backward(ctx, g_token, g_out):
+        rt, ex = ctx.rt, ctx.ex
+        gx = None
+        if ex.grad:
+            tag = 2 * ex.index + 1
+            if ex.in_shape is not None:
+                gx = torch.zeros(ex.in_shape, dtype=ex.dtype, device=rt.device)
+            if ex.out_shape is not None and g_out is None:
+                g_out = torch.zeros(ex.out_shape, dtype=ex.dtype, device=rt.device)
+            bufs = [torch.empty(p.shape, dtype=ex.dtype, device=rt.device) for p in ex.sends]
+            ops = [(False, b, p.dst, tag) for p, b in zip(ex.sends, bufs)]
+            ops += [(True, g_out[p.dst_region].contiguous(), p.src, tag) for p in ex.recvs]
+            works = rt.p2p(ops)
+            for p in ex.local:
+                gx[p.src_region] += g_out[p.dst_region]
+            rt.wait(works)
+            for p, b in zip(ex.sends, bufs):
+                gx[p.src_region] += b
+        return None, None, g_token, gx
+
+
+class _GateFn(torch.autograd.Function):
+    """Marks where a replicated shard's gradient is complete: its backward
+    hands the gradients to the bucketed all-reduce."""
+
+    @staticmethod
+    def forward(ctx, rt: Runtime, gate: _Gate, token, *params):
+        ctx.rt, ctx.gate = rt, gate
+        return (token.clone(), *params)
+
+    @staticmethod
+    def backward(ctx, g_token, *grads):
+        ctx.rt.sync.add(ctx.gate, grads)
+        return (None, None, g_token) + (None,) * len(grads)
+
+
+class _OutputFn(torch.autograd.Function):
+    """A graph output assembled on every rank with one all_reduce."""
+
+    @staticmethod
+    def forward(ctx, rt: Runtime, out: _Output, token, x):
+        ctx.rt, ctx.out = rt, out
+        full = torch.zeros(out.shape, dtype=_wire_dtype(out.dtype), device=rt.device)
+        if out.region is not None:
+            full[out.region] += _wire(x)
+        if rt.distributed and rt.world > 1:
+            work = dist.all_reduce(full, group=rt.coll_group, async_op=True)
+            rt.wait([work])
+        full = full.to(out.dtype)
+        if not out.dtype.is_floating_point:
+            ctx.mark_non_differentiable(full)
+        return full
+
+    @staticmethod
+    def backward(ctx, g):
+        out = ctx.out
+        gx = None
+        if out.region is not None and g is not None:
+            gx = g[out.region]
+        return None, None, torch.zeros((), device=ctx.rt.device), gx
+
+
+class _GradSync:
+    """Asynchronous all-reduce of the static gradient buckets, waited at the end of backward."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.works: list = []
+        self.armed = False
+
+    def add(self, gate: _Gate, grads) -> None:
+        """Launch the gate's buckets (called from its backward, in chain order)."""
+        rt = self.rt
+        if not self.armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.armed = True
+        by_qual = dict(zip(gate.quals, grads))
+        for key, quals in gate.buckets:
+            params = [rt.params[q] for q in quals]
+            flat = torch.cat([(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
+                              for q, p in zip(quals, params)])
+            work = dist.all_reduce(flat, group=rt.groups[key], async_op=True)
+            self.works.append((work, flat, params))
+
+    def finish(self) -> None:
+        try:
+            for work, flat, params in self.works:
+                self.rt.wait([work])
+                off = 0
+                for p in params:
+                    n = p.numel()
+                    g = flat[off:off + n].view_as(p)
+                    off += n
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        self.works, self.armed = [], False
