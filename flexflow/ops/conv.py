@@ -52,6 +52,11 @@ def _spatial_regions(op: Op, out):
     return sl, pads
 
 
+def _native(pads, attrs) -> bool:
+    """Whether a partition's padding equals the op's own on every side."""
+    return all(lo == p and hi == p for (lo, hi), p in zip(pads, attrs["padding"]))
+
+
 def _pad(x, pads, value=0.0):
     flat = []
     for lo, hi in reversed(pads):
@@ -83,9 +88,12 @@ class Conv(Rule):
     def compute(self, op, block, inputs, params):
         out = out_region(op, block)
         _, pads = _spatial_regions(op, out)
-        x = _pad(inputs[0], pads)
         a = op.attrs
         fn = F.conv1d if len(out) == 3 else F.conv2d
+        if _native(pads, a):  # the window pads exactly as the whole op: let the kernel pad
+            return fn(inputs[0], params["weight"], params.get("bias"), a["stride"], a["padding"],
+                      a["dilation"], a["groups"])
+        x = _pad(inputs[0], pads)
         return fn(x, params["weight"], params.get("bias"), a["stride"], 0, a["dilation"], a["groups"])
 
     def flops(self, op, block):
@@ -114,6 +122,12 @@ class Pool(Rule):
         out = out_region(op, block)
         _, pads = _spatial_regions(op, out)
         nsp = len(out) - 2
+        if _native(pads, a) and not a.get("divisor_override"):
+            if a["mode"] == "max":
+                fn = F.max_pool1d if nsp == 1 else F.max_pool2d
+                return fn(inputs[0], a["kernel"], a["stride"], a["padding"], a["dilation"])
+            fn = F.avg_pool1d if nsp == 1 else F.avg_pool2d
+            return fn(inputs[0], a["kernel"], a["stride"], a["padding"])
         if a["mode"] == "max":
             x = _pad(inputs[0], pads, value=float("-inf"))
             fn = F.max_pool1d if nsp == 1 else F.max_pool2d

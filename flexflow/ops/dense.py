@@ -150,6 +150,12 @@ class LSTMCell(Rule):
         x = inputs[0]
         w_ih = params["weight_ih"]  # (4, hs, I)
         hs = w_ih.shape[1]
+        if hs == op.output_shape[2] and len(inputs) == 3 and "bias_ih" in params:
+            # whole hidden block: the fused kernel, as nn.LSTMCell runs it
+            h, c = torch.lstm_cell(x, (inputs[1], inputs[2]), w_ih.reshape(4 * hs, -1),
+                                   params["weight_hh"].reshape(4 * hs, -1),
+                                   params["bias_ih"].reshape(-1), params["bias_hh"].reshape(-1))
+            return torch.stack([h, c])
         gates = x @ w_ih.reshape(4 * hs, -1).t()
         if len(inputs) == 3:
             h_prev, c_prev = inputs[1], inputs[2]

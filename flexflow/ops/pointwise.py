@@ -56,6 +56,13 @@ class Rowwise(Rule):
         ps = {n: tuple(slice(0, s) for s in shp) for n, shp in op.param_shapes.items()}
         return ins, ps
 
+    def compute(self, op, block, inputs, params):
+        if op.kind == "layer_norm" and op.call_kind == "call_module":
+            mod = op.target  # direct call: no functional_call indirection
+            return F.layer_norm(inputs[0], tuple(mod.normalized_shape), params.get("weight"),
+                                params.get("bias"), mod.eps)
+        return call_template(op, inputs, params)
+
     def flops(self, op, block):
         return 5.0 * math.prod(s.stop - s.start for s in out_region(op, block))
 

@@ -1,0 +1,321 @@
+"""Execution simulator: full and delta simulation of one training iteration.
+
+Scheduling (the paper's full simulation): event-driven list scheduling over the task graph of
+:mod:`flexflow.taskgraph`.  Every device and every link runs one task at a time.  Tasks whose
+inputs are all done wait in one ready queue ordered by (ready time, canonical priority); the
+first is dequeued and starts at max(ready time, time its resources are free) -- on all of its
+resources at once (a transfer holds every link of its route, an all-reduce its ring's links).
+Each resource thus runs its tasks in FIFO order of readiness.  Times are integer picoseconds.
+
+Delta simulation (``incremental=True``): the task graph is patched in place for the ops whose
+config changed (their tasks, the transfers on their edges, their neighbours' dependencies,
+the sync and update tasks of their parameters).  Let t* be the earliest time any dead or
+changed task was ready in the previous run, or any new or changed task could become ready
+(the latest finish of its unchanged predecessors).  Every task the previous run dequeued with
+ready time < t* is dequeued identically now, so the scheduler restarts at t*: each resource is
+free when its last such task finished, and the remaining tasks are re-counted.  The result is
+the one a full simulation gives, bit for bit (integer times, canonical tie-breaking).
+
+Memory model, per device, without liveness inside the iteration (everything a step keeps is
+counted at its peak, the turn from forward to backward):
+- parameters and buffers of every shard the device holds, plus for trainable ones a gradient
+  and ``optimizer_copies`` optimizer-state copies (SGD with momentum: 1);
+- activations kept for backward: the output of every partition it computes, the input regions
+  it receives by transfer, and the regions of graph inputs it reads;
+- a working buffer for the backward: the largest output among its partitions (its gradient).
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import json
+from dataclasses import dataclass, field
+from heapq import heappop, heappush
+from typing import Callable
+
+from .cost import CostModel
+from .taskgraph import KEY_SHIFT, KIND_NAMES, PS, TID_BITS, TID_MASK, Context, TaskGraph, decode_prio
+
+__all__ = ["Simulator", "SimResult"]
+
+_GiB = 2**30
+
+
+@dataclass
+class SimResult:
+    """What one simulated training iteration costs.
+
+    Times in seconds, sizes in bytes; ``device_busy[d]`` / ``link_busy[l]`` are the seconds
+    device d / link l (``machine.links[l]``) is occupied per iteration."""
+
+    iteration_time: float
+    comm_bytes: int
+    sync_bytes: int
+    peak_memory: list
+    feasible: bool
+    message: str
+    device_busy: list
+    link_busy: list
+    memory_capacity: list
+    num_tasks: int
+    strategy_name: str = ""
+    _trace: Callable | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def throughput(self) -> float:
+        """Iterations per second."""
+        return 1.0 / self.iteration_time if self.iteration_time > 0 else float("inf")
+
+    def to_chrome_trace(self, path) -> None:
+        """Write the timeline as Chrome / Perfetto trace JSON (ph "X" events in microseconds;
+        one row per device and per link that runs a task)."""
+        if self._trace is None:
+            raise ValueError("this SimResult carries no timeline")
+        events, rows = self._trace()
+        used = sorted({e[2] for e in events})
+        tid = {r: i for i, r in enumerate(used)}
+        out = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+                "args": {"name": f"flexflow simulation ({self.strategy_name})"}}]
+        for r in used:
+            out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[r], "args": {"name": rows[r]}})
+            out.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid[r],
+                        "args": {"sort_index": tid[r]}})
+        for name, cat, r, start, dur in events:
+            out.append({"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": tid[r],
+                        "ts": start / 1e6, "dur": dur / 1e6})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
+
+
+class Simulator:
+    """Simulates training iterations of ``graph`` on ``machine`` under strategies.
+
+    ``simulate(strategy, incremental=True)`` reuses the previous call's task graph and
+    timeline (delta simulation); ``incremental=False`` simulates from scratch.  Both return
+    the same :class:`SimResult`.  ``optimizer_copies``: optimizer state per trainable
+    parameter in parameter sizes (SGD with momentum: 1, Adam: 2)."""
+
+    def __init__(self, graph, machine, cost_model: CostModel | None = None, optimizer_copies: int = 1,
+                 max_delta_fraction: float = 0.25):
+        self.graph, self.machine = graph, machine
+        self.cost_model = cost_model or CostModel(machine)
+        self._fingerprint = machine.fingerprint()
+        # simulators sharing a cost model (and graph, machine) share the per-config caches
+        shared = self.cost_model.__dict__.setdefault("_simulator_contexts", {})
+        key = (id(graph), self._fingerprint, optimizer_copies)
+        ctx = shared.get(key)
+        if ctx is None or ctx.graph is not graph:
+            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer_copies)
+        self.ctx = ctx
+        self.max_delta_fraction = max_delta_fraction
+        self._tg: TaskGraph | None = None
+        self._sched: _Schedule | None = None
+        self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0}
+
+    # ---- public ---------------------------------------------------------------------------
+    def simulate(self, strategy, incremental: bool = True) -> SimResult:
+        # many small lists per call: the cyclic collector would rescan them over and over
+        if not gc.isenabled():
+            return self._simulate(strategy, incremental)
+        gc.disable()
+        try:
+            return self._simulate(strategy, incremental)
+        finally:
+            gc.enable()
+
+    def _simulate(self, strategy, incremental: bool) -> SimResult:
+        g = getattr(strategy, "graph", None)
+        if g is not None and g is not self.graph and g.fingerprint() != self.graph.fingerprint():
+            raise ValueError("strategy was made for another graph (fingerprint "
+                             f"{g.fingerprint()}, simulator's graph {self.graph.fingerprint()})")
+        fp = getattr(strategy, "machine_fingerprint", None)
+        if fp and fp != self._fingerprint:
+            raise ValueError(f"strategy was made for another machine (fingerprint {fp}, "
+                             f"this machine {self._fingerprint})")
+        tg = self._tg
+        if incremental and tg is not None:
+            groups = tg.changed_groups(strategy)
+            if not groups:
+                self.stats["same"] += 1
+                tg.strategy = strategy
+                return self._result(tg)
+            if len(groups) <= self.max_delta_fraction * len(self.ctx.groups):
+                self.stats["resimulated_tasks"] += self._sched.run_delta(tg, strategy, groups)
+                self.stats["delta"] += 1
+                return self._result(tg)
+        tg = self._tg = TaskGraph(self.ctx, strategy)
+        self._sched = _Schedule(self.ctx.R)
+        self._sched.run_full(tg)
+        self.stats["full"] += 1
+        return self._result(tg)
+
+    def timeline(self, strategy) -> tuple[list, list]:
+        """(events, row names): events (name, category, resource, start_ps, dur_ps) of a fresh
+        full simulation of ``strategy``; resource r < num_devices is a device, else a link."""
+        tg = TaskGraph(self.ctx, strategy)
+        sched = _Schedule(self.ctx.R)
+        sched.run_full(tg)
+        ctx, ops, D = self.ctx, self.ctx.ops, self.ctx.D
+        FIN, DUR = tg.FIN, tg.DUR
+        events = []
+        for r, tids in enumerate(sched.ht):
+            for t in tids:
+                a, kind, j, k, q = decode_prio(tg.KP[t] >> TID_BITS)
+                if kind <= 3:
+                    name = f"{ops[a].name} {KIND_NAMES[kind]}"
+                elif kind == 4:
+                    name = f"{ctx.param_names[a]} sync"
+                else:
+                    name = f"{ops[a].name} update"
+                events.append((name, KIND_NAMES[kind], r, FIN[t] - DUR[t], DUR[t]))
+        rows = [f"device {d}" for d in range(D)] + [l.name for l in self.machine.links]
+        return events, rows
+
+    # ---- results --------------------------------------------------------------------------
+    def _result(self, tg: TaskGraph) -> SimResult:
+        ctx = self.ctx
+        D = ctx.D
+        end = max(self._sched.free) if self._sched.free else 0
+        mem = tg.OPMEM.sum(0) + tg.OPWORK.max(0) + tg.CLMEM.sum(0)
+        busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
+        busy[:D] += tg.UBUSY.sum(0)
+        peak = [int(x) for x in mem]
+        cap = ctx.capacity
+        over = [(peak[d] - cap[d], d) for d in range(D) if peak[d] > cap[d]]
+        msg = ""
+        if over:
+            excess, d = max(over)
+            msg = (f"out of memory on device {d}: needs {peak[d]:,} bytes ({peak[d] / _GiB:.2f} GiB), "
+                   f"capacity {cap[d]:,} bytes ({cap[d] / _GiB:.2f} GiB), {excess:,} bytes "
+                   f"({excess / _GiB:.2f} GiB) too many")
+            others = sorted(x for _, x in over if x != d)
+            if others:
+                msg += f"; {len(others)} more device(s) over capacity: {', '.join(map(str, others))}"
+        strategy = tg.strategy
+        res = SimResult(
+            iteration_time=end / PS,
+            comm_bytes=int(tg.OPCOMM.sum()),
+            sync_bytes=int(tg.CLSYNC.sum()),
+            peak_memory=peak,
+            feasible=not over,
+            message=msg,
+            device_busy=[int(x) / PS for x in busy[:D]],
+            link_busy=[int(x) / PS for x in busy[D:]],
+            memory_capacity=list(cap),
+            num_tasks=tg.num_tasks(),
+            strategy_name=getattr(strategy, "name", ""),
+        )
+        res._trace = lambda: self.timeline(strategy)
+        return res
+
+
+class _Schedule:
+    """The timeline of the last run: per resource, the tasks it ran in order (their finish
+    times are in the task graph's FIN), and when each resource is free."""
+
+    def __init__(self, R: int):
+        self.free = [0] * R
+        self.ht: list[list[int]] = [[] for _ in range(R)]
+
+    def run_full(self, tg: TaskGraph) -> int:
+        PRED, KP, ALIVE = tg.PRED, tg.KP, tg.ALIVE
+        n = len(PRED)
+        tg.CNT[:] = map(len, PRED)
+        tg.READY[:] = [0] * n
+        heap = [KP[t] for t, p in enumerate(PRED) if not p and ALIVE[t]]
+        heap.sort()
+        self._loop(tg, heap)
+        tg.release()
+        return tg.num_tasks()
+
+    def run_delta(self, tg: TaskGraph, strategy, groups) -> int:
+        """Patch ``tg`` to ``strategy`` and re-simulate from the earliest affected time."""
+        READY, FIN, PRED, ALIVE, KP = tg.READY, tg.FIN, tg.PRED, tg.ALIVE, tg.KP
+        dead, dirty, born = tg.patch(strategy, groups)
+        # t*: nothing the old run dequeued with ready time < t* can differ
+        tstar = min([READY[t] for t in dead] + [READY[t] for t in dirty], default=None)
+        changed = set(dirty)
+        changed.update(born)
+        for t in changed:
+            lb = 0
+            for p in PRED[t]:
+                if p in changed:
+                    break
+                f = FIN[p]
+                if f > lb:
+                    lb = f
+            else:
+                if tstar is None or lb < tstar:
+                    tstar = lb
+        kstar = (tstar or 0) << KEY_SHIFT
+        key = lambda t: READY[t] << KEY_SHIFT | KP[t]
+        free, ht = self.free, self.ht
+        suffix = set()
+        for r, h in enumerate(ht):
+            i = bisect.bisect_left(h, kstar, key=key)
+            if i < len(h):
+                suffix.update(h[i:])
+                del h[i:]
+            free[r] = FIN[h[i - 1]] if i else 0
+        suffix = {t for t in suffix if ALIVE[t]}
+        suffix.update(born)
+        # re-count what each remaining task waits for
+        CNT = tg.CNT
+        heap = []
+        for t in suffix:
+            n = 0
+            rdy = 0
+            for p in PRED[t]:
+                if p in suffix:
+                    n += 1
+                else:
+                    f = FIN[p]
+                    if f > rdy:
+                        rdy = f
+            CNT[t] = n
+            READY[t] = rdy
+            if not n:
+                heap.append(rdy << KEY_SHIFT | KP[t])
+        heap.sort()
+        self._loop(tg, heap)
+        tg.release()
+        return len(suffix)
+
+    def _loop(self, tg: TaskGraph, heap: list) -> None:
+        """Dequeue by (ready time, priority) until done."""
+        DUR, RES1, RESM, SUCC = tg.DUR, tg.RES1, tg.RESM, tg.SUCC
+        READY, FIN, CNT, KP = tg.READY, tg.FIN, tg.CNT, tg.KP
+        free = self.free
+        hta = [h.append for h in self.ht]
+        shift, mask = KEY_SHIFT, TID_MASK
+        pop, push = heappop, heappush
+        while heap:
+            key = pop(heap)
+            t = key & mask
+            s = key >> shift
+            r = RES1[t]
+            if r >= 0:
+                f = free[r]
+                if f > s:
+                    s = f
+                e = s + DUR[t]
+                free[r] = e
+                hta[r](t)
+            else:
+                rs = RESM[t]
+                for r in rs:
+                    f = free[r]
+                    if f > s:
+                        s = f
+                e = s + DUR[t]
+                for r in rs:
+                    free[r] = e
+                    hta[r](t)
+            FIN[t] = e
+            for c in SUCC[t]:
+                if READY[c] < e:
+                    READY[c] = e
+                n = CNT[c] - 1
+                CNT[c] = n
+                if not n:
+                    push(heap, READY[c] << shift | KP[c])
