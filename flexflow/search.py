@@ -125,11 +125,23 @@ class SearchResult:
     chains: list = field(default_factory=list)  # start strategy name of each chain
     source: str = "search"  # "search", or the baseline returned because the search did not beat it
     local_optimum: bool = False  # the polish ended with no single-group change improving it
+    baseline_seconds: float = 0.0  # of ``seconds``: building and simulating the baselines
 
     @property
     def speedup(self) -> float:
         """Iteration-time speedup over data parallelism."""
         return self.baselines["data_parallel"].iteration_time / self.result.iteration_time
+
+    def to_dict(self) -> dict:
+        """The search part of ``flexflow search --json``: the best strategy's figures,
+        the baselines', search seconds and evaluations (the CLI adds model, machine,
+        devices, strategy and throughput)."""
+        r = self.result
+        return {"iteration_time_ms": r.iteration_time * 1e3, "comm_bytes": r.comm_bytes,
+                "sync_bytes": r.sync_bytes, "peak_memory_bytes": list(r.peak_memory),
+                "baselines": {k: {"iteration_time_ms": b.iteration_time * 1e3, "comm_bytes": b.comm_bytes,
+                                  "sync_bytes": b.sync_bytes} for k, b in self.baselines.items()},
+                "search_seconds": self.seconds, "evaluations": self.evaluations}
 
     def summary(self) -> str:
         lines = [f"best: {self.result.iteration_time * 1e3:.3f} ms/iteration ({self.source}), "
@@ -205,7 +217,8 @@ class _Run:
 def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_model=None, *,
            evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
-           polish: bool = True, temperature: float = 0.01) -> SearchResult:
+           polish: bool = True, temperature: float = 0.01,
+           baselines: dict | None = None) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     budget: seconds for the whole call (baselines included); ignored when
@@ -224,6 +237,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         ``temperature`` (relative) slower than the reference is accepted with
         probability 1/2.  progress: True/False/None (tqdm on a tty) or a
         callable(evaluations, seconds, best_time_s).
+    baselines: name -> Strategy to reuse (e.g. a previous result's
+        ``baseline_strategies``) instead of recomputing them.
     """
     t0 = time.perf_counter()
     if evaluations is not None and (isinstance(evaluations, bool) or int(evaluations) < 1):
@@ -239,7 +254,11 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             raise SearchError("init strategy was made for another graph")
         init.check(machine)
 
-    base = baseline_strategies(graph, machine, cm, candidates=candidates)
+    base = dict(baselines) if baselines is not None else \
+        baseline_strategies(graph, machine, cm, candidates=candidates)
+    missing = [k for k in BASELINES if k not in base]
+    if missing:
+        raise SearchError(f"baselines lack {missing}")
     sim0 = _simulator(graph, machine, cm)
     base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
@@ -262,6 +281,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         i += 1
     starts = starts[:n_chains]
 
+    baseline_s = time.perf_counter() - t0
     run = _Run(machine, budget, evaluations, t0, progress, scale_s)
     rng = random.Random(seed)
     mcmc_frac = 0.75 if polish else 1.0
@@ -304,11 +324,16 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         kk = run.key(base_res[k])
         if _better(kk, best_key):
             best, best_res, best_key, source = base[k], base_res[k], kk, k
+            converged = False  # the polish's optimum was not this one
     if source == "search":
-        best = Strategy(graph, dict(best), machine, name="search")
+        same = next((k for k in BASELINES if base[k] == best), None)
+        if same is not None:  # the search ended where a baseline started: say so
+            best, best_res, source = base[same], base_res[same], same
+        else:
+            best = Strategy(graph, dict(best), machine, name="search")
     return SearchResult(best, best_res, base_res, run.evals, time.perf_counter() - t0, base,
                         run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
-                        source, converged and source == "search")
+                        source, converged, baseline_s)
 
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int) -> bool:
@@ -458,7 +483,8 @@ class _OptCNN:
     makes the smallest factor is eliminated exactly when that factor has at
     most ``cap`` entries; otherwise (never on the zoo's graphs) the most
     connected variable is fixed greedily to its best config given the others'
-    best, and ``self.exact`` becomes False.
+    best, and ``self.exact`` becomes False.  (``cap`` counts the entries of the
+    table built to eliminate it, its own configs included.)
     """
 
     cap = 1 << 21
@@ -640,7 +666,7 @@ class _OptCNN:
                     if not nb:
                         break
             if best is None:
-                sizes = {v: math.prod(len(self.domains[x]) for x in neighbours(v)) for v in sorted(alive)}
+                sizes = {v: math.prod(len(self.domains[x]) for x in neighbours(v) + [v]) for v in sorted(alive)}
                 v = min(sizes, key=sizes.get)
                 if sizes[v] <= self.cap:
                     best = (v, neighbours(v))

@@ -140,7 +140,15 @@ class Simulator:
                 tg.strategy = strategy
                 return self._result(tg)
             if len(groups) <= self.max_delta_fraction * len(self.ctx.groups):
-                self.stats["resimulated_tasks"] += self._sched.run_delta(tg, strategy, groups)
+                ctx = self.ctx
+                for g in groups:  # refuse a bad config before touching the task graph
+                    o = ctx.groups[g][0]
+                    ctx.template(o, strategy[ctx.ops[o].name])
+                try:
+                    self.stats["resimulated_tasks"] += self._sched.run_delta(tg, strategy, groups)
+                except BaseException:
+                    self._tg = self._sched = None  # half-patched: the next call starts afresh
+                    raise
                 self.stats["delta"] += 1
                 return self._result(tg)
         tg = self._tg = TaskGraph(self.ctx, strategy)

@@ -34,6 +34,7 @@ says which tasks died, changed or were born (the delta simulation in ``simulate.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 
@@ -415,7 +416,7 @@ class TaskGraph:
         self._free: list[int] = []
         self._born: list[int] = []
         self._dead: list[int] = []
-        self._drop: dict[int, set] = {}   # queued successor removals (patch)
+        self._drop: dict[int, dict] = {}  # queued successor removals (patch): p -> {t: count}
         self._add: dict[int, list] = {}   # queued successor additions (patch)
         self.cfg = [None] * n
         self.unit = [-1] * n       # op -> head op of its unit
@@ -425,7 +426,7 @@ class TaskGraph:
         self.BT = [None] * n
         self.EDGES = [None] * n    # o -> per input j: [(q, k, xf, xb)] for unit-external edges, else None
         self.EPLAN = [None] * n
-        self.SYNCT = [None] * nc   # cluster -> [(tid, device set)]
+        self.SYNCT = [None] * nc   # cluster -> sync task per plan entry
         self.CPLAN = [None] * nc
         self.UPDT = [None] * n     # head -> {device: tid}
         D, R = ctx.D, ctx.R
@@ -454,6 +455,11 @@ class TaskGraph:
                 self._make_edge(o, j, False)
         for c in range(nc):
             self._make_syncs(c, False)
+        if nc:
+            cps = self.CPLAN
+            self.CLMEM[:] = np.stack([cp.mem for cp in cps])
+            self.CLBUSY[:] = np.stack([cp.busy for cp in cps])
+            self.CLSYNC[:] = [cp.sync_bytes for cp in cps]
         for h in heads:
             self._make_updates(h, False)
         nt = len(self.DUR)
@@ -531,22 +537,34 @@ class TaskGraph:
         self.ALIVE[t] = False
         drop = self._drop
         for p in self.PRED[t]:
-            drop.setdefault(p, set()).add(t)
+            d = drop.setdefault(p, {})
+            d[t] = d.get(t, 0) + 1
         self.PRED[t] = self.SUCC[t] = ()
         self._dead.append(t)
 
     def _set_pred(self, t: int, new) -> bool:
-        """Replace t's predecessors (successors follow in :meth:`_flush`); True if changed."""
+        """Replace t's predecessors (successors follow in :meth:`_flush`); True if changed.
+        Predecessors may repeat (an op reading one tensor twice): multiset difference."""
         old = self.PRED[t]
         new = tuple(new)
         if old == new:
             return False
         drop, add = self._drop, self._add
-        for p in old:
-            drop.setdefault(p, set()).add(t)
-        for p in new:
-            add.setdefault(p, []).append(t)
         self.PRED[t] = new
+        if not old:
+            for p in new:
+                add.setdefault(p, []).append(t)
+            return True
+        gone, came = Counter(old), Counter(new)
+        gone.subtract(new)
+        came.subtract(old)
+        for p, n in gone.items():
+            if n > 0:
+                d = drop.setdefault(p, {})
+                d[t] = d.get(t, 0) + n
+        for p, n in came.items():
+            if n > 0:
+                add.setdefault(p, []).extend([t] * n)
         return True
 
     def _flush(self) -> None:
@@ -554,7 +572,14 @@ class TaskGraph:
         SUCC, ALIVE, drop, add = self.SUCC, self.ALIVE, self._drop, self._add
         for p, ts in drop.items():
             if ALIVE[p]:
-                SUCC[p] = tuple(x for x in SUCC[p] if x not in ts)
+                out = []
+                for x in SUCC[p]:
+                    n = ts.get(x)
+                    if n:
+                        ts[x] = n - 1
+                    else:
+                        out.append(x)
+                SUCC[p] = tuple(out)
         for p, ts in add.items():
             SUCC[p] += tuple(ts)
         drop.clear()
@@ -635,7 +660,6 @@ class TaskGraph:
         cp = self.CPLAN[c] = ctx.cluster_plan(c, self.cfg)
         BT, PRED, setp = self.BT, self.PRED, self._set_pred
         st = self._alloc(*cp.cols)
-        syncs = []
         multi = len(ctx.clusters[c][0]) > 1
         for t, x in zip(st, cp.syncs):
             pred = [BT[o][k] for o, k in x[6]]
@@ -645,11 +669,11 @@ class TaskGraph:
                 setp(t, pred)
             else:
                 PRED[t] = tuple(pred)
-            syncs.append((t, x[2]))
-        self.SYNCT[c] = syncs
-        self.CLMEM[c] = cp.mem
-        self.CLBUSY[c] = cp.busy
-        self.CLSYNC[c] = cp.sync_bytes
+        self.SYNCT[c] = st
+        if link:  # (a full build fills these rows in one go)
+            self.CLMEM[c] = cp.mem
+            self.CLBUSY[c] = cp.busy
+            self.CLSYNC[c] = cp.sync_bytes
 
     def _make_updates(self, h: int, link: bool) -> None:
         """One update task per device for the clusters first used by the unit's ops."""
@@ -663,7 +687,7 @@ class TaskGraph:
         tids = self._alloc(durs, ds, nones, prios)
         PRED, setp, BT, SYNCT = self.PRED, self._set_pred, self.BT, self.SYNCT
         for t, (srefs, brefs) in zip(tids, refs):
-            pred = [SYNCT[c][i][0] for c, i in srefs]
+            pred = [SYNCT[c][i] for c, i in srefs]
             if brefs:
                 pred = list(dict.fromkeys(pred + [BT[o][k] for o, k in brefs]))
             if link:
@@ -785,7 +809,7 @@ class TaskGraph:
                 for t in self.UPDT[h].values():
                     kill(t)
         for c in clusters:
-            for t, _ in self.SYNCT[c]:
+            for t in self.SYNCT[c]:
                 kill(t)
         for h in old_units:  # heads that are no longer heads
             if unit[h] != h:

@@ -1,0 +1,235 @@
+"""Execution simulator: task graph, full and delta simulation, memory, Chrome trace."""
+import gc
+import json
+import math
+import random
+
+import pytest
+
+import flexflow as ff
+from flexflow.cost import CostModel
+from flexflow.machine import Machine
+from flexflow.simulate import SimResult, Simulator
+from flexflow.strategy import ParallelConfig, Strategy, candidate_configs, partitions
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    m, x = ff.models.get("lenet", batch_size=64 * 4, size="paper", device="meta")
+    return ff.trace(m, x)
+
+
+@pytest.fixture(scope="module")
+def inception():
+    m, x = ff.models.get("inception_v3", batch_size=64 * 16, size="paper", device="meta")
+    return ff.trace(m, x)
+
+
+@pytest.fixture(scope="module")
+def nmt_small():
+    m, x = ff.models.get("nmt", batch_size=32, size="small", device="meta")
+    return ff.trace(m, x)
+
+
+@pytest.fixture(scope="module")
+def p100_16():
+    return Machine.preset("p100-cluster", devices=16)
+
+
+def _update_s(machine, nbytes, copies=1):
+    s = machine.devices[0].spec
+    return (3 + 2 * copies) * nbytes / s.mem_bw_Bps + s.launch_overhead_s
+
+
+def test_one_device_is_the_sum_of_compute(lenet, inception):
+    for g in (lenet, inception):
+        m = Machine.preset("p100-cluster", devices=1)
+        cm = CostModel(m)
+        s = Strategy.data_parallel(g, m)
+        r = Simulator(g, m, cm).simulate(s)
+        assert r.comm_bytes == 0 and r.sync_bytes == 0
+        expected = 0.0
+        for op in g.compute_ops:
+            (p,) = partitions(op, s[op.name])
+            f, b = cm.op_time(op, p, 0)
+            expected += f + b
+            expected += sum(_update_s(m, math.prod(shape) * 4) for shape in op.param_shapes.values())
+        assert r.iteration_time == pytest.approx(expected, rel=1e-6)
+        assert r.device_busy[0] == pytest.approx(r.iteration_time, rel=1e-9)
+        assert r.link_busy == []
+    assert r.feasible is False and "device 0" in r.message  # a 1024 batch of inception_v3 on one P100
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_data_parallel_syncs_every_parameter(lenet, inception, n):
+    m = Machine.preset("p100-cluster", devices=n)
+    for g in (lenet, inception):
+        r = Simulator(g, m).simulate(Strategy.data_parallel(g, m))
+        assert r.sync_bytes == 2 * (n - 1) * g.param_bytes
+        # every op of lenet and inception_v3 has a sample dim: data parallel moves no activations
+        assert all("n" in op.parallel_dims for op in g.compute_ops)
+        assert r.comm_bytes == 0
+        assert r.feasible == (g is lenet or n == 16)  # the 1024 batch fits 16 P100s, not 2 or 4
+
+
+def test_model_parallel_has_no_sync(lenet, inception, p100_16):
+    for g in (lenet, inception):
+        r = Simulator(g, p100_16).simulate(Strategy.model_parallel(g, p100_16))
+        assert r.sync_bytes == 0
+        assert r.comm_bytes > 0  # ops on different devices exchange activations
+
+
+def _critical_path(g, strategy, cm):
+    """Longest op path of min-partition forward + backward compute times."""
+    best = {}
+    for op in g.compute_ops:
+        parts = partitions(op, strategy[op.name])
+        times = [cm.op_time(op, p, p.device) for p in parts]
+        w = min(f for f, _ in times) + min(b for _, b in times)
+        best[op.name] = w + max((best[u] for u in op.inputs if u in best), default=0.0)
+    return max(best.values())
+
+
+def test_never_faster_than_the_compute_critical_path(inception, nmt_small, p100_16):
+    for g in (inception, nmt_small):
+        cm = CostModel(p100_16)
+        sim = Simulator(g, p100_16, cm)
+        strategies = [Strategy.data_parallel(g, p100_16), Strategy.model_parallel(g, p100_16),
+                      Strategy.expert(g, p100_16)] + [Strategy.random(g, p100_16, k) for k in range(3)]
+        for s in strategies:
+            r = sim.simulate(s, incremental=False)
+            cp = _critical_path(g, s, cm)
+            assert r.iteration_time >= cp * (1 - 1e-9), s.name
+            assert max(r.device_busy) <= r.iteration_time * (1 + 1e-9)
+
+
+def test_overfull_strategy_is_infeasible_and_names_the_device():
+    m, x = ff.models.get("transformer", batch_size=64 * 16, size="paper", device="meta")
+    g = ff.trace(m, x)
+    mach = Machine.preset("p100-cluster", devices=16)
+    r = Simulator(g, mach).simulate(Strategy.model_parallel(g, mach))
+    assert not r.feasible
+    worst = max(range(16), key=lambda d: r.peak_memory[d] - r.memory_capacity[d])
+    assert f"device {worst}" in r.message
+    excess = r.peak_memory[worst] - r.memory_capacity[worst]
+    assert excess > 0 and f"{excess:,} bytes" in r.message
+    assert all(c == 16 * 2**30 for c in r.memory_capacity)
+
+
+def test_memory_counts_parameters_gradients_and_optimizer_state(lenet):
+    m = Machine.preset("p100-cluster", devices=1)
+    s = Strategy.data_parallel(lenet, m)
+    r1 = Simulator(lenet, m, optimizer_copies=1).simulate(s).peak_memory[0]
+    r2 = Simulator(lenet, m, optimizer_copies=2).simulate(s).peak_memory[0]
+    assert r2 - r1 == lenet.param_bytes
+    acts = sum(op.output_bytes for op in lenet.compute_ops)
+    assert r1 >= 3 * lenet.param_bytes + acts
+
+
+def _walk(g, machine, steps, seed, check_every=1, validate_every=0):
+    """Random single-op changes, kept when within 2% of the best time seen (as a search
+    would; the others are dropped, so the next call differs in two ops), back to data
+    parallelism every 100 steps (a new chain); delta vs full at every step."""
+    gc.disable()  # the walk keeps many task graphs and plans alive: collections are slow
+    try:
+        return _walk_inner(g, machine, steps, seed, check_every, validate_every)
+    finally:
+        gc.enable()
+
+
+def _walk_inner(g, machine, steps, seed, check_every, validate_every):
+    cm = CostModel(machine)
+    delta, full = Simulator(g, machine, cm), Simulator(g, machine, cm)
+    rng = random.Random(seed)
+    reps = [members[0] for members in g.groups.values()]
+    cur = Strategy.data_parallel(g, machine)
+    assert delta.simulate(cur) == full.simulate(cur, incremental=False)
+    best = full.simulate(cur, incremental=False).iteration_time
+    start = cur
+    for step in range(steps):
+        if step % 100 == 99:
+            cur = start
+        op = rng.choice(reps)
+        new = cur.replace(op, rng.choice(candidate_configs(g.op(op), machine)))
+        rd = delta.simulate(new)
+        if step % check_every == 0:
+            rf = full.simulate(new, incremental=False)
+            assert rd.iteration_time == pytest.approx(rf.iteration_time, rel=1e-9, abs=0)
+            assert rd == rf, (step, op)
+        if validate_every and step % validate_every == 0:
+            delta._tg.validate()
+        if rd.iteration_time <= 1.02 * best:
+            cur, best = new, min(best, rd.iteration_time)
+    return delta
+
+
+def test_delta_equals_full_on_1000_random_changes(inception, p100_16):
+    sim = _walk(inception, p100_16, 1000, seed=1)
+    assert sim.stats["delta"] >= 900  # (a change of many ops at once falls back to full)
+
+
+def test_delta_equals_full_with_shared_parameters_and_validates(nmt_small, lenet):
+    _walk(nmt_small, Machine.preset("p100-cluster", devices=8), 150, seed=2, validate_every=10)
+    _walk(lenet, Machine.preset("k80-cluster", devices=8), 150, seed=3, validate_every=10)
+
+
+def test_incremental_with_many_changes_and_repeats(inception, p100_16):
+    sim = Simulator(inception, p100_16)
+    a, b = Strategy.data_parallel(inception, p100_16), Strategy.random(inception, p100_16, 5)
+    ra = sim.simulate(a)
+    rb = sim.simulate(b)          # everything changed: a full simulation
+    assert sim.simulate(b) == rb  # nothing changed
+    assert sim.simulate(a) == ra
+    assert rb == Simulator(inception, p100_16).simulate(b)
+
+
+def test_chrome_trace(tmp_path, lenet):
+    m = Machine.preset("p100-cluster", devices=8)
+    s = Strategy.model_parallel(lenet, m).replace("fc1", ParallelConfig({"c": 4}, range(4, 8)))
+    r = Simulator(lenet, m).simulate(s)
+    path = tmp_path / "trace.json"
+    r.to_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert len(set(names.values())) == len(names)
+    used_devices = {d for c in s.values() for d in c.devices}
+    assert {f"device {d}" for d in used_devices} <= set(names)
+    used_links = {m.links[l].name for l, b in enumerate(r.link_busy) if b > 0}
+    assert used_links and used_links <= set(names)
+    assert set(names) == {f"device {d}" for d in used_devices} | used_links
+    assert {e["name"].rsplit(" ", 1)[-1] for e in events} >= {"fwd", "bwd", "xfer", "update"}
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    assert end == pytest.approx(r.iteration_time * 1e6, rel=1e-9)
+    # per row, tasks never overlap
+    rows = {}
+    for e in events:
+        rows.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in rows.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+def test_result_fields(lenet):
+    m = Machine.preset("p100-cluster", devices=4)
+    r = Simulator(lenet, m).simulate(Strategy.data_parallel(lenet, m))
+    assert isinstance(r, SimResult)
+    assert len(r.peak_memory) == len(r.device_busy) == len(r.memory_capacity) == 4
+    assert len(r.link_busy) == len(m.links)
+    assert r.iteration_time > 0 and r.throughput == pytest.approx(1 / r.iteration_time)
+
+
+def test_bad_strategies_are_refused_and_leave_the_simulator_usable(lenet):
+    m = Machine.preset("p100-cluster", devices=4)
+    sim = Simulator(lenet, m)
+    dp = Strategy.data_parallel(lenet, m)
+    r = sim.simulate(dp)
+    bad = dict(dp)
+    bad["fc1"] = ParallelConfig({"c": 2}, (3, 7))  # device 7 is not on a 4-device machine
+    with pytest.raises(ValueError, match="fc1"):
+        sim.simulate(bad)
+    assert sim.simulate(dp) == r
+    other = Strategy.data_parallel(lenet, Machine.preset("k80-cluster", devices=4))
+    with pytest.raises(ValueError, match="another machine"):
+        sim.simulate(other)
