@@ -56,7 +56,7 @@ def _train(rank, strategy_json, steps, queue):
         loss = model(*inputs)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     if rank == 0:
         queue.put(losses)
 
@@ -68,6 +68,8 @@ def train(steps: int, budget_s: float) -> None:
     graph = ff.trace(module, inputs)
     machine = ff.Machine.preset("cpu", devices=2)
     result = ff.search(graph, machine, budget=budget_s, seed=0)
+    for line in result.strategy.table().splitlines():
+        print("     " + line)
     print(f"   searched {result.evaluations} strategies; "
           f"simulated {result.result.iteration_time * 1e3:.2f} ms/iter "
           f"(data parallel {result.baselines['data_parallel'].iteration_time * 1e3:.2f} ms)")
@@ -81,7 +83,7 @@ def train(steps: int, budget_s: float) -> None:
         loss = ref(*inputs)
         loss.backward()
         opt.step()
-        ref_losses.append(float(loss))
+        ref_losses.append(loss.item())
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").SimpleQueue()
     ff.launch(_train, 2, result.strategy.to_json(), steps, q)

@@ -81,10 +81,10 @@ def run(rank: int, args) -> list[float]:
         loss = model(*inputs)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if rank == 0:
             rate = args.batch * (step + 1 - start) / (time.perf_counter() - t0)
-            print(f"step {step + 1:>4}/{args.steps}  loss {float(loss):.6f}  {rate:,.0f} samples/s", flush=True)
+            print(f"step {step + 1:>4}/{args.steps}  loss {losses[-1]:.6f}  {rate:,.0f} samples/s", flush=True)
         if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             _save(model, opt, args, step + 1, rank)
     if rank == 0 and args.losses_out:

@@ -12,17 +12,18 @@ from .ir import Op, OpGraph
 from .machine import Machine
 from .strategy import ParallelConfig, Strategy, candidate_configs
 from .trace import TraceError, trace
+from .simulate import SimResult, Simulator
+from .search import SearchResult, search  # the function shadows the module name, on purpose
 
 __all__ = ["models", "trace", "TraceError", "Op", "OpGraph", "Machine", "ParallelConfig",
            "Strategy", "candidate_configs", "Simulator", "SimResult", "search", "SearchResult",
            "parallelize", "launch"]
 
-_LAZY = {"Simulator": "simulate", "SimResult": "simulate", "search": "search",
-         "SearchResult": "search", "parallelize": "api", "launch": "api"}
+_LAZY = {"parallelize": "api", "launch": "api"}
 
 
 def __getattr__(name):
-    # heavier parts load on first use: `import flexflow` stays quick
+    # the runtime (torch.distributed) loads on first use
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
