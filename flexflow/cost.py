@@ -27,7 +27,11 @@ from .ir import Op, dtype_bytes
 from .ops import RULES
 from .ops.base import region_numel
 
-__all__ = ["CostModel", "partition_flops", "partition_bytes", "fit_efficiency", "fit_overhead",
+# Gradients are all-reduced in buckets of this size by the executor; the
+# simulator charges all-reduce latency per bucket share accordingly.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+__all__ = ["GRAD_BUCKET_BYTES", "CostModel", "partition_flops", "partition_bytes", "fit_efficiency", "fit_overhead",
            "fit_rules", "RuleFit",
            "DEFAULT_EFFICIENCY", "EFFICIENCY_RANGE"]
 

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .cost import GRAD_BUCKET_BYTES
 from .ir import Op, OpGraph, dtype_bytes
 from .localrun import constant_value_of, whole_config
 from .ops import RULES
@@ -80,7 +81,7 @@ from .strategy import Partition, Strategy, overlap, param_placement, partitions
 
 __all__ = ["Runtime", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB"]
 
-BUCKET_CAP_MB = 25.0
+BUCKET_CAP_MB = GRAD_BUCKET_BYTES / 2**20  # shared with the simulator's sync model
 
 
 class ExecutorError(RuntimeError):

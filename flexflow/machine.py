@@ -264,6 +264,18 @@ class Machine:
         lat = max(sum(self.links[i].latency_s for i in hop) for hop in hops)
         return 2 * (n - 1) * (lat + nbytes / n / bw)
 
+    def bucketed_allreduce_time_s(self, devices: Iterable, nbytes: float, bucket_bytes: float) -> float:
+        """Share of ring all-reduces that a gradient of nbytes takes when gradients travel in
+        buckets of ``bucket_bytes`` (as the executor sends them): the bandwidth term in full,
+        the per-step latency in proportion to the bucket share (at most one whole latency)."""
+        full = self.allreduce_time_s(devices, nbytes)
+        if full == 0.0:
+            return 0.0
+        hops = self._ring(devices)
+        n = len(hops)
+        lat = 2 * (n - 1) * max(sum(self.links[i].latency_s for i in hop) for hop in hops)
+        return full - lat + lat * min(1.0, nbytes / bucket_bytes)
+
     def allreduce_bytes_sent(self, devices: Iterable, nbytes: float) -> float:
         """Bytes all devices send in a ring all-reduce: 2(n-1)/n * nbytes each, 2(n-1)*nbytes in all."""
         n = len({self._id(d) for d in devices})

@@ -38,6 +38,7 @@ from collections import Counter
 
 import numpy as np
 
+from .cost import GRAD_BUCKET_BYTES
 from .ir import dtype_bytes
 from .ops.base import region_numel
 from .strategy import overlap, param_placement, partitions, validate_config
@@ -352,35 +353,45 @@ class Context:
         upd_s: dict[int, float] = {}
         upd_syncs: dict[int, list[int]] = {}
         upd_bdep: set[int] = set()
+        # Gradients of the cluster's shards held by the same devices travel in one
+        # all-reduce (the executor buckets them), charged per bucket share.
+        groups: dict[tuple, list] = {}  # devices -> [bytes, first (param, shard)]
+        shard_list = []
         for pi in pidx:
             _, shards, trainable = place[self.param_names[pi]]
             bpe = dtype_bytes(ops[self.param_first[pi][0]].dtype)
             for si, sh in enumerate(shards):
                 nb = region_numel(sh.region) * bpe
-                copies = 1 + ((1 + oc) if trainable else 0)  # value, gradient, optimizer state
-                for d in sh.devices:
-                    cp.mem[d] += nb * copies
-                if not trainable or nb <= 0:
-                    continue
-                sync = -1
-                if len(sh.devices) > 1:
-                    dur = _ps(m.allreduce_time_s(sh.devices, nb))
-                    links = tuple(D + l for l in m.allreduce_links(sh.devices))
-                    r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
-                    sync = len(cp.syncs)
-                    ds = set(sh.devices)
-                    users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]
-                    cp.syncs.append((pi, si, frozenset(sh.devices), dur, r1, rm, users))
-                    cp.sync_bytes += m.allreduce_bytes_sent(sh.devices, nb)
-                    for r in links:
-                        cp.busy[r] += dur
-                for d in sh.devices:
-                    s = m.devices[d].spec
-                    upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * nb / s.mem_bw_Bps + s.launch_overhead_s
-                    if sync >= 0:
-                        upd_syncs.setdefault(d, []).append(sync)
-                    else:
-                        upd_bdep.add(d)
+                shard_list.append((pi, si, sh, nb, trainable))
+                if trainable and nb > 0 and len(sh.devices) > 1:
+                    g = groups.setdefault(tuple(sh.devices), [0, (pi, si)])
+                    g[0] += nb
+        group_sync: dict[tuple, int] = {}
+        for devices, (nb, (pi, si)) in groups.items():
+            dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
+            links = tuple(D + l for l in m.allreduce_links(devices))
+            r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
+            group_sync[devices] = len(cp.syncs)
+            ds = set(devices)
+            users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]
+            cp.syncs.append((pi, si, frozenset(devices), dur, r1, rm, users))
+            cp.sync_bytes += m.allreduce_bytes_sent(devices, nb)
+            for r in links:
+                cp.busy[r] += dur
+        for pi, si, sh, nb, trainable in shard_list:
+            copies = 1 + ((1 + oc) if trainable else 0)  # value, gradient, optimizer state
+            for d in sh.devices:
+                cp.mem[d] += nb * copies
+            if not trainable or nb <= 0:
+                continue
+            sync = group_sync.get(tuple(sh.devices), -1)
+            for d in sh.devices:
+                s = m.devices[d].spec
+                upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * nb / s.mem_bw_Bps + s.launch_overhead_s
+                if sync < 0:
+                    upd_bdep.add(d)
+                elif sync not in upd_syncs.get(d, ()):
+                    upd_syncs.setdefault(d, []).append(sync)
         cp.cols = ([x[3] for x in cp.syncs], [x[4] for x in cp.syncs], [x[5] for x in cp.syncs],
                    [_prio(x[0], SYNC, 0, x[1]) for x in cp.syncs])
         for d in sorted(upd_s):
