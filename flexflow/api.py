@@ -196,12 +196,8 @@ def _default_machine(n: int, nccl: bool) -> Machine:
 
 
 def _search_strategy(graph, machine, budget: float) -> Strategy:
-    try:
-        from . import search as _search
-    except ImportError as e:
-        warnings.warn(f"flexflow.search is not available ({e}); using data parallelism")
-        return Strategy.data_parallel(graph, machine)
-    return _search.search(graph, machine, budget=budget).strategy
+    from .search import search  # the module's function (flexflow.search is the function too)
+    return search(graph, machine, budget=budget).strategy
 
 
 def _trace_clean(module: nn.Module, example_inputs):

@@ -112,20 +112,30 @@ def test_short_rnnlm_mcmc_reaches_exhaustive_optimum(rnnlm, p100):
     assert found.result.iteration_time <= min(r.iteration_time for r in found.baselines.values())
 
 
-def test_lower_bound_is_admissible(rnnlm, p100):
+@pytest.mark.parametrize("which", ["lenet", "rnnlm"])
+def test_lower_bound_is_admissible(which, lenet, rnnlm, p100):
     """The branch and bound's bound never exceeds the simulated time of any
-    completion: random strategies, every prefix of their assignment."""
+    completion: random strategies and data parallelism with a few random
+    changes (near the good ones, where pruning matters), every prefix."""
+    g = {"lenet": lenet, "rnnlm": rnnlm}[which]
     cm = CostModel(p100)
-    space = _Space(rnnlm, p100)
-    bound = _Bound(rnnlm, p100, space, cm)
-    sim = Simulator(rnnlm, p100, cm)
+    space = _Space(g, p100)
+    bound = _Bound(g, p100, space, cm)
+    sim = Simulator(g, p100, cm)
+    dp = Strategy.data_parallel(g, p100)
     rng = random.Random(0)
-    for _ in range(12):
-        assign = [rng.randrange(len(cs)) for cs in space.cands]
-        s = Strategy(rnnlm, {r: space.cands[i][j] for i, (r, j) in enumerate(zip(space.reps, assign))}, p100)
+    for trial in range(16):
+        if trial % 2:
+            assign = [rng.randrange(len(cs)) for cs in space.cands]
+        else:
+            assign = [space.index[i][dp[r]] for i, r in enumerate(space.reps)]
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(len(assign))
+                assign[i] = rng.randrange(len(space.cands[i]))
+        s = Strategy(g, {r: space.cands[i][j] for i, (r, j) in enumerate(zip(space.reps, assign))}, p100)
         t = sim.simulate(s).iteration_time
-        for k in range(0, len(assign) + 1, 3):
-            assert bound(assign[:k]) <= t
+        for k in range(len(assign) + 1):
+            assert bound(assign[:k]) <= t, (k, s.table())
 
 
 def test_exhaustive_gives_up_rather_than_guess(lenet, p100):
@@ -239,3 +249,13 @@ def test_optcnn_on_paper_networks_is_exact_and_no_worse_than_dp_by_its_cost(p100
         s = dp.solve()
         assert dp.exact
         assert dp.value(s) <= dp.value(Strategy.data_parallel(g, p100)) * (1 + 1e-12)
+
+
+def test_nothing_fits_still_no_slower_than_a_baseline(lenet):
+    spec = Machine.preset("p100-cluster").to_dict()
+    spec.update(nodes=1, num_devices=D, name="no-memory")
+    spec["device"]["memory_bytes"] = 1 << 20  # 1 MiB: nothing fits
+    tiny = Machine.from_dict(spec)
+    r = search(lenet, tiny, evaluations=200, seed=0, progress=False)
+    assert not r.result.feasible and not any(b.feasible for b in r.baselines.values())
+    assert r.result.iteration_time <= min(b.iteration_time for b in r.baselines.values()) * (1 + 1e-12)
