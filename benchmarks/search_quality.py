@@ -9,7 +9,7 @@ evaluations, and the search time with delta vs full simulation at one
 evaluation budget (same seed: both must find the same strategy).
 
     .venv/bin/python benchmarks/search_quality.py            # ~20 min
-    .venv/bin/python benchmarks/search_quality.py --quick    # ~1 min subset
+    .venv/bin/python benchmarks/search_quality.py --quick    # ~1 min subset, to a temp dir
 
 Writes benchmarks/results/search_quality.json (after every case) and .md.
 """
@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -212,7 +213,10 @@ def markdown(cases: list[dict], meta: dict) -> str:
           "`whole @[d]`: on device d alone).", ""]
     for c in cases:
         rows = c["strategy"].splitlines()
+        glue = [r for r in rows if r.startswith("getitem")]  # tuple/slice indexing ops
+        rows = [r for r in rows if not r.startswith("getitem")] or ["(data parallelism but for indexing ops)"]
         more = f"\n... ({len(rows) - 12} more)" if len(rows) > 12 else ""
+        more += f"\n+ {len(glue)} indexing (getitem) ops" if glue else ""
         L += [f"**{c['network']}, {c['cluster']}, {c['devices']} devices**", "", "```",
               "\n".join(rows[:12]) + more, "```", ""]
     return "\n".join(L) + "\n"
@@ -259,7 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--delta-evals", type=int, default=None, help="evaluations of the delta/full comparison")
     ap.add_argument("--networks", nargs="*", default=None)
     ap.add_argument("--clusters", nargs="*", default=None, help="cluster:devices, e.g. p100-cluster:4")
-    ap.add_argument("--out", default=str(OUT), help="output path without extension")
+    ap.add_argument("--out", default=None, help="output path without extension (default: "
+                    "benchmarks/results/search_quality; with --quick a temporary directory)")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the .md from a results .json")
     a = ap.parse_args(argv)
     if a.render:
@@ -286,7 +291,7 @@ def main(argv=None) -> int:
             "budget_s": budget, "delta_evals": delta_evals}
     t0 = time.perf_counter()
     cases = []
-    out = Path(a.out)
+    out = Path(a.out) if a.out else (Path(tempfile.mkdtemp()) / "search_quality" if a.quick else OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     for cluster, devices in todo:
         for net in nets:
@@ -303,6 +308,7 @@ def main(argv=None) -> int:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
     out.with_suffix(".md").write_text(markdown(cases, meta))
     print(meta["summary"])
+    print(f"wrote {out.with_suffix('.md')} and .json")
     return 0
 
 

@@ -68,8 +68,11 @@ def train(steps: int, budget_s: float) -> None:
     graph = ff.trace(module, inputs)
     machine = ff.Machine.preset("cpu", devices=2)
     result = ff.search(graph, machine, budget=budget_s, seed=0)
-    for line in result.strategy.table().splitlines():
+    table = result.strategy.table().splitlines()
+    for line in table[:12]:
         print("     " + line)
+    if len(table) > 12:
+        print(f"     ... ({len(table) - 12} more op groups)")
     print(f"   searched {result.evaluations} strategies; "
           f"simulated {result.result.iteration_time * 1e3:.2f} ms/iter "
           f"(data parallel {result.baselines['data_parallel'].iteration_time * 1e3:.2f} ms)")

@@ -27,7 +27,7 @@ __all__ = ["ParallelConfig", "Partition", "Strategy", "StrategyError", "partitio
            "candidate_configs", "param_placement", "ParamShard", "validate_config",
            "strategy_space_log10", "format_devices", "overlap"]
 
-_LETTER = {"n": "S"}  # the sample dim prints as S, as in the paper
+_LETTER = {"n": "S", "s": "T"}  # sample prints as S (the paper), sequence as T
 
 
 class StrategyError(ValueError):
