@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from .cost import GRAD_BUCKET_BYTES
 from .ir import Op, OpGraph, dtype_bytes
-from .localrun import constant_value_of, whole_config
+from .localrun import constant_value_of, fill_outputs, whole_config
 from .ops import RULES
 from .ops.base import region_shape
 from .strategy import Partition, Strategy, overlap, param_placement, partitions
@@ -469,7 +469,7 @@ class Runtime:
                 results[name] = _OutputFn.apply(self, self.outputs[name], token, vals.get(name))
             elif name in vals:
                 results[name] = vals[name]
-        return _structure(self.graph.outputs, results)
+        return fill_outputs(self.graph.outputs, results)
 
     # -- state ----------------------------------------------------------------
     def full_tensors(self) -> dict[str, torch.Tensor]:
@@ -506,16 +506,6 @@ class Runtime:
             for qual, (view, region, _) in self.shards.items():
                 dst = self.params[qual] if qual in self.params else self.buffers[qual]
                 dst.copy_(tensor_of(self.module, qual).detach().reshape(view)[region])
-
-
-def _structure(x, values):
-    if isinstance(x, str) and x in values:
-        return values[x]
-    if isinstance(x, (list, tuple)):
-        return type(x)(_structure(y, values) for y in x)
-    if isinstance(x, dict):
-        return {k: _structure(v, values) for k, v in x.items()}
-    return x
 
 
 # --------------------------------------------------------------------------- autograd

@@ -17,7 +17,8 @@ from .ops import RULES
 from .ops.base import full_region
 from .strategy import ParallelConfig, Strategy, partitions
 
-__all__ = ["run_graph", "param_view", "constant_value_of", "whole_config", "compute_partition"]
+__all__ = ["run_graph", "param_view", "constant_value_of", "whole_config", "compute_partition",
+           "fill_outputs"]
 
 
 def whole_config(op: Op) -> ParallelConfig:
@@ -78,7 +79,7 @@ def run_graph(graph: OpGraph, module: torch.nn.Module, inputs, strategy: Strateg
             else:
                 out[p.output] = y
         values[op.name] = out
-    return _structure(graph.outputs, values)
+    return fill_outputs(graph.outputs, values)
 
 
 def constant_value_of(op: Op, module) -> torch.Tensor:
@@ -88,11 +89,12 @@ def constant_value_of(op: Op, module) -> torch.Tensor:
     return obj
 
 
-def _structure(x: Any, values):
+def fill_outputs(x: Any, values):
+    """The graph's output structure with each op name replaced by its value."""
     if isinstance(x, str) and x in values:
         return values[x]
     if isinstance(x, (list, tuple)):
-        return type(x)(_structure(y, values) for y in x)
+        return type(x)(fill_outputs(y, values) for y in x)
     if isinstance(x, dict):
-        return {k: _structure(v, values) for k, v in x.items()}
+        return {k: fill_outputs(v, values) for k, v in x.items()}
     return x
