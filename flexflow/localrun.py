@@ -3,8 +3,8 @@
 The reference semantics of a strategy: every partition is computed from
 exactly the input and parameter regions :func:`flexflow.strategy.partitions`
 says it reads, and the partitions are stitched (or summed, for partial
-outputs) into each op's output.  Tests compare it with the module itself;
-the profiler uses :func:`op_inputs_for` to make partition-shaped inputs.
+outputs) into each op's output.  Tests compare it with the module itself; the
+executor is its distributed version.
 """
 from __future__ import annotations
 
