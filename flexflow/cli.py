@@ -236,7 +236,8 @@ def cmd_search(args) -> int:
         kw["evaluations"] = args.evaluations
     if args.exhaustive:
         from .search import exhaustive_search
-        strategy, res, explored = exhaustive_search(graph, machine, _cost_model(machine))
+        strategy, res, explored = exhaustive_search(graph, machine, _cost_model(machine),
+                                                    max_states=args.max_states)
         out = _sim_json(label, machine, "exhaustive", res, graph.batch_size)
         out["explored"] = explored
         if args.out:
@@ -313,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--out", help="write the best strategy here (JSON)")
             s.add_argument("--init", help="start a chain from this strategy file")
             s.add_argument("--exhaustive", action="store_true", help="exact search (small cases)")
+            s.add_argument("--max-states", type=int, default=1_000_000,
+                           help="give up the exhaustive search past this many states")
     return p
 
 

@@ -51,6 +51,8 @@ def test_user_model_file(tmp_path, capsys):
     (("trace", "missing.py:build"), "model file 'missing.py' does not exist"),
     (("simulate", "lenet", "--machine", "tpu-pod"), "tpu-pod"),
     (("simulate", "lenet", "--machine", "p100-cluster", "--devices", "99"), "devices=99"),
+    (("search", "lenet", "--machine", "p100-cluster", "--devices", "4", "--exhaustive", "--max-states", "10"),
+     "max_states=10"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
