@@ -23,7 +23,7 @@ from torch.fx.node import map_aggregate
 from ..ir import Dim, InputRef, Op, ParamRef
 
 __all__ = ["Rule", "RULES", "register", "Block", "Region", "full_region", "out_region",
-           "block_range", "call_template", "region_shape", "region_numel", "sample_dims"]
+           "block_range", "call_template", "region_shape", "region_numel", "sample_dims", "batch_dim"]
 
 Block = dict  # dim name -> (start, stop)
 Region = tuple  # tuple of slices, one per tensor axis
@@ -70,6 +70,14 @@ def out_region(op: Op, block: Block) -> Region:
     return tuple(region)
 
 
+def batch_dim(axis: int | None, size: int, batch: int | None) -> Dim:
+    """The dim along a tensor's batch position: the sample dim ``n`` when its
+    size is the batch, else an attribute dim ``d0``."""
+    if batch is not None and size == batch:
+        return Dim("n", "sample", axis, size)
+    return Dim("d0", "attribute", axis, size)
+
+
 def sample_dims(shape, batch: int | None, names_by_rank=None) -> list[Dim]:
     """Generic dims of a tensor: axis 0 is the sample dim when it is the batch,
     every other axis an attribute dim.  Size-1 axes are not splittable."""
@@ -81,12 +89,7 @@ def sample_dims(shape, batch: int | None, names_by_rank=None) -> list[Dim]:
     for axis, (name, size) in enumerate(zip(names, shape)):
         if size <= 1:
             continue
-        if axis == 0:
-            kind = "sample" if batch is not None and size == batch else "attribute"
-            name = "n" if kind == "sample" else "d0"
-        else:
-            kind = "attribute"
-        dims.append(Dim(name, kind, axis, size))
+        dims.append(batch_dim(0, size, batch) if axis == 0 else Dim(name, "attribute", axis, size))
     return dims
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, call_template, out_region, region_shape, register
+from .base import Block, Rule, batch_dim, call_template, out_region, region_shape, register
 
 SPATIAL_NAMES = {1: ("l",), 2: ("h", "w"), 3: ("d", "h", "w")}
 
@@ -27,8 +27,7 @@ def _spatial_dims(op: Op, batch, channel_kind: str | None) -> list[Dim]:
     nsp = len(shape) - 2
     dims = []
     if shape[0] > 1:
-        sample = batch is not None and shape[0] == batch
-        dims.append(Dim("n" if sample else "d0", "sample" if sample else "attribute", 0, shape[0]))
+        dims.append(batch_dim(0, shape[0], batch))
     if channel_kind and shape[1] > 1:
         dims.append(Dim("c", channel_kind, 1, shape[1]))
     if op.attrs.get("spatial_split", True):

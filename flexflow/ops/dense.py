@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, block_range, out_region, region_shape, register
+from .base import Block, Rule, batch_dim, block_range, out_region, region_shape, register
 from .pointwise import broadcast_region
 
 
@@ -20,8 +20,7 @@ def _lead_dims(shape, batch) -> list[Dim]:
         if size <= 1:
             continue
         if axis == 0:
-            sample = batch is not None and size == batch
-            dims.append(Dim("n" if sample else "d0", "sample" if sample else "attribute", 0, size))
+            dims.append(batch_dim(0, size, batch))
         else:
             dims.append(Dim("s" if axis == 1 else f"s{axis}", "attribute", axis, size))
     return dims
@@ -125,8 +124,7 @@ class LSTMCell(Rule):
         _, n, h = op.output_shape
         dims = []
         if n > 1:
-            sample = batch is not None and n == batch
-            dims.append(Dim("n" if sample else "d0", "sample" if sample else "attribute", 1, n))
+            dims.append(batch_dim(1, n, batch))
         if h > 1:
             dims.append(Dim("h", "parameter", 2, h))
         return dims

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, block_range, call_template, out_region, register
+from .base import Block, Rule, batch_dim, block_range, call_template, out_region, register
 
 
 @register("loss")
@@ -25,12 +25,11 @@ class Loss(Rule):
         for axis, size in enumerate(tshape):
             if size <= 1:
                 continue
+            out_axis = None if reduced else axis
             if axis == 0:
-                sample = batch is not None and size == batch
-                name, kind = ("n", "sample") if sample else ("d0", "attribute")
+                dims.append(batch_dim(out_axis, size, batch))
             else:
-                name, kind = ("s" if axis == 1 else f"s{axis}"), "attribute"
-            dims.append(Dim(name, kind, None if reduced else axis, size))
+                dims.append(Dim("s" if axis == 1 else f"s{axis}", "attribute", out_axis, size))
         return dims
 
     def _target_region(self, op, block):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Op
-from .base import Block, Rule, out_region, region_shape, register
+from .base import Block, Rule, batch_dim, out_region, region_shape, register
 from .conv import _spatial_dims
 
 
@@ -24,8 +24,7 @@ class BatchNorm(Rule):
             from ..ir import Dim
             dims = []
             if shape[0] > 1:
-                s = batch is not None and shape[0] == batch
-                dims.append(Dim("n" if s else "d0", "sample" if s else "attribute", 0, shape[0]))
+                dims.append(batch_dim(0, shape[0], batch))
             if shape[1] > 1:
                 dims.append(Dim("c", "parameter", 1, shape[1]))
             return dims
