@@ -85,7 +85,33 @@ class TinyLM(nn.Module):
                 InputSpec((batch, self.seq), "index", self.vocab)]
 
 
-CUSTOM = {"branchnet": BranchNet, "tinylm": TinyLM}
+class RecurrentNet(nn.Module):
+    """torch's fused recurrent modules as users write them: a 2-layer nn.LSTM
+    (batch first, its (out, (h, c)) output unpacked) into an nn.GRU (time
+    first), classified from the GRU's last hidden state and every LSTM step."""
+
+    def __init__(self, vocab: int = 13, emb: int = 8, hid: int = 6, seq: int = 4, classes: int = 5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, emb)
+        self.lstm = nn.LSTM(emb, hid, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(hid, hid)
+        self.fc = nn.Linear(hid, classes)
+        self.step = nn.Linear(hid, vocab)
+        self.vocab, self.seq, self.classes = vocab, seq, classes
+
+    def forward(self, tok, tgt, label):
+        out, (h, c) = self.lstm(self.emb(tok))  # (N, T, H), (2, N, H), (2, N, H)
+        g, h_last = self.gru(out.transpose(0, 1), h[-1:].contiguous())  # (T, N, H), (1, N, H)
+        per_step = F.cross_entropy(self.step(out + c[-1].unsqueeze(1)).reshape(-1, self.vocab), tgt.reshape(-1))
+        return per_step + F.cross_entropy(self.fc(h_last[0] + g[-1]), label)
+
+    def input_specs(self, batch: int):
+        return [InputSpec((batch, self.seq), "index", self.vocab),
+                InputSpec((batch, self.seq), "index", self.vocab),
+                InputSpec((batch,), "index", self.classes)]
+
+
+CUSTOM = {"branchnet": BranchNet, "tinylm": TinyLM, "recurrent": RecurrentNet}
 
 
 def build(name: str, batch: int, seed: int = 0):

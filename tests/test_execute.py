@@ -44,6 +44,8 @@ CASES_2 += [
     ("tinylm", 5, "eval", BASIC + ["random:0", "random:1", "random:2"], True),
     ("branchnet", 5, "train", ["bnchannel:0", "bnchannel:1", "model_parallel"], True),
     ("alexnet", 5, "train", ["random:2"], False),
+    # nn.LSTM / nn.GRU: 20 random strategies (they once hung both ranks in a receive)
+    ("recurrent", 5, "eval", BASIC + [f"random:{k}" for k in range(20)], True),
 ]
 # "@3,1": the strategy's devices 0, 1 on ranks 3, 1 (ranks 0 and 2 hold nothing but still
 # return the outputs); "#3": on the first 3 ranks

@@ -137,3 +137,22 @@ def test_op_fields_follow_contract():
     assert op.param_shapes["weight"][0] == op.output_shape[1]
     assert op.parallel_dims == {"n": "sample", "c": "parameter", "h": "attribute", "w": "attribute"}
     assert len(g) == len(g.ops) and g.ops[0].kind == "input"
+
+
+def test_fused_recurrent_modules_keep_their_parameters():
+    """nn.LSTM's nested (out, (h, c)) output is one op that owns the LSTM's
+    weights (it was once folded into a constant, dropping them), and every
+    trainable parameter of the module is read by some op."""
+    import sys, os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _dist_workers import build
+    module, inputs = build("recurrent", 3)
+    graph = ff.trace(module, inputs)
+    used = {q for op in graph.ops for q in op.params.values()}
+    assert used == {n for n, p in module.named_parameters()}
+    lstm = next(op for op in graph.ops if op.kind == "lstm")
+    assert set(lstm.params) == {n for n, _ in module.lstm.named_parameters()}
+    assert {op.kind for op in graph.ops if "lstm" in op.inputs} == {"unpack"}
+    torch.testing.assert_close(run_graph(graph, module, inputs), module(*inputs))
+    grads = torch.autograd.grad(run_graph(graph, module, inputs), list(module.lstm.parameters()))
+    assert all(g.abs().sum() > 0 for g in grads)

@@ -236,12 +236,20 @@ def build_op(root, node: fx.Node, value, by_node, param_names, ops) -> Op | None
         if isinstance(entry, tuple) and entry[0] == "split":
             by_node[node] = b.materialize_piece(src, node.args[1])
             return None
+        if isinstance(entry, tuple) and entry[0] == "subtree":  # an inner tuple of a packed op
+            _, src_name, tree = entry
+            return _leaf_item(b, node, by_node, b.ops_by_name[src_name], tree, node.args[1])
         if isinstance(entry, str):
             src_op = b.ops_by_name[entry]
+            if src_op.attrs.get("tree") is not None:
+                return _leaf_item(b, node, by_node, src_op, src_op.attrs["tree"], node.args[1])
             if src_op.attrs.get("stacked") or src_op.attrs.get("packed"):
                 return _tuple_item(b, src_op, node.args[1])
     if not _is_tensor(value):
         if isinstance(value, (tuple, list)) and value and all(map(_is_tensor, value)):
+            return _multi_output(b, name or type(module).__name__.lower(), module)
+        leaves = list(_flatten(value)) if isinstance(value, (tuple, list)) else []
+        if leaves and all(map(_is_tensor, leaves)):  # nested outputs: nn.LSTM's (out, (h, c))
             return _multi_output(b, name or type(module).__name__.lower(), module)
         by_node[node] = ("value", value)
         return None
@@ -262,7 +270,7 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     """An op with several tensor outputs: stacked when they share a shape,
     else packed flat (and then it runs whole)."""
     v = b.value
-    same = all(t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
+    same = all(_is_tensor(t) and t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
     if name == "lstm_cell" and same:
         args, kwargs = b.template()
         flat = [a for a in _flatten(args) if isinstance(a, InputRef)]
@@ -272,20 +280,41 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
         _module_params(b, op, module)
         return op
     args, kwargs = b.template()
+    leaves = list(_flatten(v))
+    nested = len(leaves) != len(v)
     if same:
         shape, attrs = (len(v),) + tuple(v[0].shape), {"stacked": True}
     else:
         offsets, off = [], 0
-        for t in v:
+        for t in leaves:
             offsets.append(off)
             off += t.numel()
         shape, attrs = (off,), {"packed": True, "offsets": offsets}
-    op = b.make(name, "opaque", output_shape=shape, dtype=v[0].dtype, attrs=attrs,
+        if nested:  # leaf indices in the output's structure, e.g. (0, (1, 2))
+            attrs["tree"] = _leaf_tree(v, iter(range(len(leaves))))
+    op = b.make(name, "opaque", output_shape=shape, dtype=leaves[0].dtype, attrs=attrs,
                 target=module if module is not None else b.node.target, args=args, kwargs=kwargs)
     if module is not None:
         op.module_path = b.node.target
         _module_params(b, op, module)
     return op
+
+
+def _leaf_tree(value, counter):
+    if isinstance(value, (tuple, list)):
+        return tuple(_leaf_tree(x, counter) for x in value)
+    return next(counter)
+
+
+def _leaf_item(b: _Builder, node, by_node, src_op: Op, tree, i):
+    """Item i of a packed op's (nested) output: a leaf becomes an unpack op,
+    an inner tuple a subtree entry that later getitems index further."""
+    sub = tree[i]
+    if isinstance(sub, tuple):
+        by_node[node] = ("subtree", src_op.name, sub)
+        return None
+    b.inputs.append(src_op.name)
+    return b.make("unpack", "unpack", attrs={"offset": src_op.attrs["offsets"][sub]})
 
 
 def _flatten(x):

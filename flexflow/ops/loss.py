@@ -92,7 +92,16 @@ class Opaque(Rule):
     def compute(self, op, block, inputs, params):
         out = call_template(op, inputs, params)
         if op.attrs.get("packed"):
-            return torch.cat([t.reshape(-1) for t in out])
+            return torch.cat([t.reshape(-1) for t in _leaves(out)])
         if op.attrs.get("stacked"):
             return torch.stack(list(out))
         return out
+
+
+def _leaves(x):
+    """The tensors of a (nested) tuple output, in order."""
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _leaves(y)
+    else:
+        yield x
