@@ -381,6 +381,16 @@ def _free_port() -> int:
 
 
 def _launch_entry(rank, nprocs, tmp, backend, timeout_s, port, fn, args):
+    """One rank of :func:`launch`.  It never reaches interpreter finalisation
+    (where a live gloo group can abort the process): on success it shuts
+    communication down cleanly and leaves with ``os._exit(0)``; on failure it
+    writes its traceback, drops its work objects without waiting on peers
+    that may be dead, and leaves with ``os._exit(1)``."""
+    import sys
+
+    from . import shutdown
+
+    _die_with_parent()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -397,20 +407,38 @@ def _launch_entry(rank, nprocs, tmp, backend, timeout_s, port, fn, args):
             data = pickle.dumps(result)
         except Exception:  # noqa: BLE001 - results are a convenience
             data = pickle.dumps(None)
-        with open(os.path.join(tmp, f"rank{rank}.result"), "wb") as f:
-            f.write(data)
+        _write_atomic(os.path.join(tmp, f"rank{rank}.result"), data)
+        shutdown.shutdown()
     except BaseException:  # noqa: BLE001 - reported to the parent
-        with open(os.path.join(tmp, f"rank{rank}.error"), "w") as f:
-            f.write(traceback.format_exc())
         code = 1
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-    if code:
-        os._exit(code)  # do not wait on communication threads stuck on dead peers
+        try:
+            _write_atomic(os.path.join(tmp, f"rank{rank}.error"), traceback.format_exc().encode())
+        finally:
+            shutdown.abandon()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the launching process dies, so a
+    killed launcher leaves no orphan ranks behind (elsewhere: nothing)."""
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 def launch(fn, nprocs: int, *args, timeout_s: float | None = None, backend: str | None = None,

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import shutdown
 from .cost import GRAD_BUCKET_BYTES
 from .ir import Op, OpGraph, dtype_bytes
 from .localrun import constant_value_of, fill_outputs, whole_config
@@ -195,11 +196,14 @@ class Runtime:
         if used >= len(self.ranks):
             raise ExecutorError(f"strategy {strategy.name!r} uses device {used} but only "
                                 f"{len(self.ranks)} devices (ranks {self.ranks}) are given")
+        self.step = 0  # forward passes run so far (error messages name the step)
+        self.closed = False
         self.placement = param_placement(graph, strategy)
         self._make_shards()
         self._make_program()
         self._make_groups()
         self.sync = _GradSync(self)
+        shutdown.register(self)
 
     # -- setup --------------------------------------------------------------
     def _parts(self, op: Op) -> list[Partition]:
@@ -403,10 +407,44 @@ class Runtime:
         return [(dist.isend if s else dist.irecv)(t, peer, group=self.p2p_group, tag=tag)
                 for s, t, peer, tag in ops]
 
-    def wait(self, works) -> None:
-        for w in works:
-            if w is not None:
-                w.wait(self.timeout) if not self.nccl else w.wait()
+    def wait(self, works, what=None) -> None:
+        """Wait for works; a failure names this rank, the step and ``what()``
+        (the exchange or collective, and the peers it waits on)."""
+        try:
+            for w in works:
+                if w is not None:
+                    w.wait(self.timeout) if not self.nccl else w.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised with where it happened
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            where = what() if what is not None else "communication"
+            raise ExecutorError(f"rank {self.rank}, step {self.step}: {where}: {first} "
+                                f"(timeout {self.timeout.total_seconds():g} s)") from e
+
+    def close(self, wait_s: float = 10.0, destroy_groups: bool = True) -> None:
+        """End this runtime's communication: wait at most ``wait_s`` for
+        outstanding gradient all-reduces, drop every work object, destroy the
+        process groups it created.  The module cannot run afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        works = [w for w, *_ in self.sync.works]
+        self.sync.reset()
+        if wait_s > 0 and works and not self.nccl:
+            import datetime as _dt
+            for w in works:
+                try:
+                    w.wait(_dt.timedelta(seconds=wait_s))
+                except Exception:  # noqa: BLE001 - a dead peer: nothing left to wait for
+                    break
+        del works
+        groups = [g for g in [self.p2p_group, self.coll_group, *self.groups.values()] if g is not None]
+        self.groups, self.p2p_group, self.coll_group = {}, None, None
+        if destroy_groups and dist.is_available() and dist.is_initialized():
+            for g in groups:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001
+                    pass
 
     # -- forward --------------------------------------------------------------
     def run(self, inputs):
@@ -415,6 +453,10 @@ class Runtime:
         input_ops = [op for op in self.graph.ops if op.kind == "input"]
         if len(tensors) != len(input_ops):
             raise ExecutorError(f"the model was traced with {len(input_ops)} tensor inputs, got {len(tensors)}")
+        if self.closed:
+            raise ExecutorError("this parallel module's runtime was shut down (flexflow.shutdown); "
+                                "call parallelize() again")
+        self.step += 1
         grad = torch.is_grad_enabled()
         token = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
         vals: dict[str, torch.Tensor] = {}
@@ -509,6 +551,21 @@ class Runtime:
 
 
 # --------------------------------------------------------------------------- autograd
+def _describe(ex: Exchange, phase: str) -> str:
+    """An exchange step in words, for errors: the ops, and the peers waited on."""
+    send_to = sorted({p.dst for p in ex.sends})
+    recv_from = sorted({p.src for p in ex.recvs})
+    if phase == "backward":  # gradients travel the other way
+        send_to, recv_from = recv_from, send_to
+    peers = []
+    if recv_from:
+        peers.append(f"receiving from rank(s) {recv_from}")
+    if send_to:
+        peers.append(f"sending to rank(s) {send_to}")
+    return (f"{phase} exchange {ex.index} ({ex.producer} -> {ex.consumer}, input {ex.input}), "
+            + " and ".join(peers))
+
+
 class _ExchangeFn(torch.autograd.Function):
     """One exchange step: token, this rank's producer block -> token, its consumer region."""
 
@@ -531,7 +588,7 @@ class _ExchangeFn(torch.autograd.Function):
                     out[p.dst_region] += x[p.src_region]
                 else:
                     out[p.dst_region] = x[p.src_region]
-        rt.wait(works)
+        rt.wait(works, lambda: _describe(ex, "forward"))
         if single:
             out = bufs[0].to(ex.dtype)
         elif out is not None:
@@ -560,7 +617,7 @@ class _ExchangeFn(torch.autograd.Function):
             works = rt.p2p(ops)
             for p in ex.local:
                 gx[p.src_region] += g_out[p.dst_region]
-            rt.wait(works)
+            rt.wait(works, lambda: _describe(ex, "backward"))
             for p, b in zip(ex.sends, bufs):
                 gx[p.src_region] += b
         return None, None, g_token, gx
@@ -592,7 +649,7 @@ class _OutputFn(torch.autograd.Function):
             full[out.region] += _wire(x)
         if rt.distributed and rt.world > 1:
             work = dist.all_reduce(full, group=rt.coll_group, async_op=True)
-            rt.wait([work])
+            rt.wait([work], lambda: f"all_reduce of output {out.name!r} among all {rt.world} ranks")
         full = full.to(out.dtype)
         if not out.dtype.is_floating_point:
             ctx.mark_non_differentiable(full)
@@ -627,12 +684,12 @@ class _GradSync:
             flat = torch.cat([(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
                               for q, p in zip(quals, params)])
             work = dist.all_reduce(flat, group=rt.groups[key], async_op=True)
-            self.works.append((work, flat, params))
+            self.works.append((work, flat, params, key))
 
     def finish(self) -> None:
         try:
-            for work, flat, params in self.works:
-                self.rt.wait([work])
+            for work, flat, params, key in self.works:
+                self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
                 off = 0
                 for p in params:
                     n = p.numel()
