@@ -324,3 +324,42 @@ def failing_peer(rank: int, how: str, timeout_s: float):
         raise RuntimeError(f"rank 0 failed after {time.perf_counter() - t0:.2f} s: {type(e).__name__}: {e}")
     return "rank 0 did not fail"
 
+
+
+def faulty(rank: int, how: str, timeout_s: float, ckpt: str):
+    """Two ranks train lenet under model parallelism; after step 1 rank 0 writes
+    a checkpoint (full tensors); in step 2, after its forward, rank 1 is killed
+    (SIGKILL), raises, or stalls past the timeout.  Rank 0 must fail with an
+    error naming its rank, the step and the exchange it waited on."""
+    import os
+    import signal
+
+    torch.set_num_threads(1)
+    module, example = build("lenet", 4)
+    graph = ff.trace(module, example)
+    machine = Machine.preset("cpu", devices=dist.get_world_size())
+    model = parallelize(module, example_inputs=example, strategy=Strategy.model_parallel(graph, machine),
+                        timeout_s=timeout_s)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt.zero_grad()
+    model(*batch_for_step(module, 4, 0)).backward()
+    opt.step()
+    state = model.state_dict()
+    if rank == 0:
+        torch.save(state, ckpt + ".tmp")
+        os.replace(ckpt + ".tmp", ckpt)
+    dist.barrier()
+    opt.zero_grad()
+    loss = model(*batch_for_step(module, 4, 1))
+    if rank == 1:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "raises":
+            raise RuntimeError("rank 1 raises mid-step on purpose")
+        time.sleep(600)  # "slow": far past the timeout; launch stops it
+    t0 = time.perf_counter()
+    try:
+        loss.backward()
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"rank 0 failed after {time.perf_counter() - t0:.2f} s: {type(e).__name__}: {e}")
+    return "rank 0 did not fail"

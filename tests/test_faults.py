@@ -1,0 +1,97 @@
+"""Faults on 2 gloo ranks: a rank killed mid-step, a rank that raises, a rank
+slower than the timeout.  In each case the survivor fails within its timeout
+with an error naming its rank, the step and the exchange it waited on;
+launch reports every rank; no process, rendezvous folder or shared-memory
+file is left behind; and a checkpoint written before the fault loads."""
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+
+import pytest
+import torch
+
+import _dist_workers as W
+from flexflow.api import LaunchError, launch
+
+
+def _leftovers():
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return shm, set(os.listdir(tempfile.gettempdir()))
+
+
+def _children_alive() -> list[int]:
+    """PIDs of live processes whose parent is this test process (but
+    multiprocessing's resource tracker, which lives as long as its parent)."""
+    me, out = os.getpid(), []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.split("/")[2])
+        if int(fields[1]) == me and fields[0] != "Z":
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"resource_tracker" in f.read():
+                        continue
+            except OSError:
+                continue
+            out.append(pid)
+    return out
+
+
+@pytest.mark.parametrize("how,timeout_s", [("killed", 20.0), ("raises", 20.0), ("slow", 3.0)])
+def test_survivor_fails_cleanly_and_checkpoint_loads(tmp_path, monkeypatch, how, timeout_s):
+    scratch = tmp_path / "scratch"  # launch's rendezvous folder goes here, and must go away
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    shm0, dirs0 = _leftovers()
+    ckpt = str(tmp_path / "step1.pt")
+    t0 = time.perf_counter()
+    with pytest.raises(LaunchError) as e:
+        launch(W.faulty, 2, how, timeout_s, ckpt, timeout_s=timeout_s, grace_s=5.0)
+    total = time.perf_counter() - t0
+    msg = str(e.value)
+    # the survivor: its own traceback, naming rank, step and the exchange and peer it waited on
+    assert "--- rank 0 failed" in msg, msg
+    m = re.search(r"rank 0 failed after ([0-9.]+) s", msg)
+    assert m, msg
+    assert float(m.group(1)) <= timeout_s + 2.0, msg
+    assert re.search(r"rank 0, step 2: backward exchange \d+ \(.+\).*rank\(s\) \[1\]", msg), msg
+    # the faulty rank, as launch saw it
+    if how == "killed":
+        assert "--- rank 1 exited with code -9" in msg, msg
+    elif how == "raises":
+        assert "--- rank 1 failed" in msg and "rank 1 raises mid-step on purpose" in msg, msg
+    else:
+        assert "--- rank 1 was stopped" in msg, msg
+    assert total < timeout_s + 5.0 + 30.0, f"launch took {total:.1f} s"
+    # nothing left behind
+    assert not multiprocessing.active_children()
+    assert not _children_alive()
+    shm1, dirs1 = _leftovers()
+    assert shm1 <= shm0, f"new shared-memory files: {sorted(shm1 - shm0)}"
+    assert dirs1 <= dirs0, f"files left in the temporary folder: {sorted(dirs1 - dirs0)}"
+    # the checkpoint written before the fault loads, and is one single-process SGD step
+    module, _ = W.build("lenet", 4)
+    ref, _ = W.build("lenet", 4)
+    opt = torch.optim.SGD(ref.parameters(), lr=W.LR)
+    ref(*W.batch_for_step(ref, 4, 0)).backward()
+    opt.step()
+    module.load_state_dict(torch.load(ckpt))
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(module.state_dict()[k], v, rtol=1e-5, atol=1e-7)
+
+
+def test_every_rank_exits_zero():
+    """A successful launch is one where every rank exited 0 (an abort at exit,
+    after the work is done, is a failure): launch returns each rank's result."""
+    out = launch(W.equivalence, 2, [("lenet", 4, "eval", ["data_parallel"], False)], timeout_s=60)
+    assert len(out) == 2 and all(r and r[0]["spec"] == "data_parallel" for r in out)
+    assert not _children_alive()
