@@ -78,6 +78,7 @@ from .ir import Op, OpGraph, dtype_bytes
 from .localrun import constant_value_of, fill_outputs, whole_config
 from .ops import RULES
 from .ops.base import region_shape
+from .pending import Once, pending
 from .strategy import Partition, Strategy, overlap, param_placement, partitions
 
 __all__ = ["Runtime", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB"]
@@ -135,6 +136,7 @@ class _Output:
     dtype: torch.dtype
     partial: bool
     region: tuple | None  # this rank's block of the output
+    work: object = None  # its all-reduce, between the forward and Runtime._run
 
 
 @dataclass
@@ -273,6 +275,22 @@ class Runtime:
             self.outputs[name] = _Output(name, tuple(op.output_shape), op.dtype, parts[0].partial,
                                          None if mine is None else mine.output)
         self.chain_length = self.num_exchanges + len(gates) + len(self.outputs)
+        # asynchronous point-to-point: sends leave as soon as their producer is computed,
+        # receives are posted ahead (forward: at the start of the step; backward: at its
+        # first exchange) and waited on at first use
+        self.sends_after: dict[str, list] = {}  # producer op -> exchanges this rank sends in
+        for ex in self.exchanges:
+            if ex.sends:
+                self.sends_after.setdefault(ex.producer, []).append(ex)
+        self.fwd_recv_ex = [ex for ex in self.exchanges if ex.recvs]
+        self.bwd_recv_ex = [ex for ex in self.exchanges if ex.grad and ex.sends]
+        self._recv: dict = {}  # exchange index -> (works, buffers), forward
+        self._sends: list = []  # (work, tensor) of this step's forward sends
+        self._bwd_recv: dict = {}
+        self._bwd_sends: list = []
+        self._bwd_armed = False
+        self._pending: list = []  # Once waits of outputs still being all-reduced
+        self.broken: str | None = None
         # values this rank can drop after each step (autograd keeps what backward needs)
         last: dict[str, int] = {}
         for i, step in enumerate(self.program):
@@ -428,7 +446,10 @@ class Runtime:
             return
         self.closed = True
         works = [w for w, *_ in self.sync.works]
+        works += [w for w, _ in self._sends + self._bwd_sends]
         self.sync.reset()
+        self._pending, self._sends, self._bwd_sends, self._recv, self._bwd_recv = [], [], [], {}, {}
+        works = [w for w in works if w is not None]
         if wait_s > 0 and works and not self.nccl:
             import datetime as _dt
             for w in works:
@@ -456,8 +477,66 @@ class Runtime:
         if self.closed:
             raise ExecutorError("this parallel module's runtime was shut down (flexflow.shutdown); "
                                 "call parallelize() again")
+        if self.broken:
+            raise ExecutorError(f"rank {self.rank}: this parallel module cannot run again after a failed "
+                                f"step ({self.broken}); call parallelize() again")
+        self.settle()
         self.step += 1
+        try:
+            return self._run(inputs, tensors, input_ops)
+        except BaseException as e:
+            self.broken = f"step {self.step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise
+
+    def settle(self) -> None:
+        """Wait for everything the previous step left in flight (outputs being
+        all-reduced, forward sends)."""
+        while self._pending:
+            self._pending.pop()()
+        if self._sends:
+            works, self._sends = [w for w, _ in self._sends], []
+            self.wait(works, lambda: "forward sends of the previous step")
+
+    def _post_forward_recvs(self) -> None:
+        tag_of = 2
+        for ex in self.fwd_recv_ex:
+            if ex.index not in self._recv:
+                wire = _wire_dtype(ex.dtype)
+                bufs = [torch.empty(p.shape, dtype=wire, device=self.device) for p in ex.recvs]
+                works = self.p2p([(False, b, p.src, tag_of * ex.index) for p, b in zip(ex.recvs, bufs)])
+                self._recv[ex.index] = (works, bufs)
+
+    def _post_sends(self, name: str, x: torch.Tensor) -> None:
+        x = x.detach()
+        for ex in self.sends_after[name]:
+            ops = [(True, _wire(x[p.src_region]).contiguous(), p.dst, 2 * ex.index) for p in ex.sends]
+            works = self.p2p(ops)
+            self._sends.extend(zip(works, [t for _, t, _, _ in ops]) if not self.nccl
+                               else [(w, None) for w in works] + [(None, t) for _, t, _, _ in ops])
+
+    def _arm_backward(self) -> None:
+        """At the first exchange of a backward pass: post every gradient receive
+        of this rank, and wait for the gradient sends at the end of the pass."""
+        if self._bwd_armed:
+            return
+        self._bwd_armed = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for ex in self.bwd_recv_ex:
+            if ex.index not in self._bwd_recv:
+                self._bwd_recv[ex.index] = self._post_bwd_recvs(ex)
+
+    def _post_bwd_recvs(self, ex: Exchange):
+        bufs = [torch.empty(p.shape, dtype=ex.dtype, device=self.device) for p in ex.sends]
+        return self.p2p([(False, b, p.dst, 2 * ex.index + 1) for p, b in zip(ex.sends, bufs)]), bufs
+
+    def _end_backward(self) -> None:
+        self._bwd_armed = False
+        works, self._bwd_sends = [w for w, _ in self._bwd_sends], []
+        self.wait(works, lambda: "gradient sends (end of backward)")
+
+    def _run(self, inputs, tensors, input_ops):
         grad = torch.is_grad_enabled()
+        self._post_forward_recvs()
         token = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
         vals: dict[str, torch.Tensor] = {}
         for op, x in zip(input_ops, tensors):
@@ -505,10 +584,21 @@ class Runtime:
                     t = t.reshape(reshape_to)
                 params[local] = t if region is None else t[region]
             vals[op.name] = RULES[op.rule].compute(op, step.part.block, ins, params)
+            if op.name in self.sends_after:
+                self._post_sends(op.name, vals[op.name])
         results = {}
         for name in self.graph.output_names():
             if name in self.outputs:
-                results[name] = _OutputFn.apply(self, self.outputs[name], token, vals.get(name))
+                out = self.outputs[name]
+                res = _OutputFn.apply(self, out, token, vals.get(name))
+                work = getattr(out, "work", None)
+                if work is not None:  # still being all-reduced: wait at first read
+                    out.work = None
+                    once = Once(lambda w=work, o=out: self.wait([w], lambda: f"all_reduce of output {o.name!r} "
+                                                                             f"among all {self.world} ranks"))
+                    self._pending.append(once)
+                    res = pending(res, once)
+                results[name] = res
             elif name in vals:
                 results[name] = vals[name]
         return fill_outputs(self.graph.outputs, results)
@@ -572,12 +662,9 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt: Runtime, ex: Exchange, token, x):
         ctx.rt, ctx.ex = rt, ex
-        tag = 2 * ex.index
-        wire = _wire_dtype(ex.dtype)
-        bufs = [torch.empty(p.shape, dtype=wire, device=rt.device) for p in ex.recvs]
-        ops = [(False, b, p.src, tag) for p, b in zip(ex.recvs, bufs)]
-        ops += [(True, _wire(x[p.src_region]).contiguous(), p.dst, tag) for p in ex.sends]
-        works = rt.p2p(ops)
+        # this rank's sends left when the producer was computed (Runtime._post_sends);
+        # its receives were posted at the start of the step
+        works, bufs = rt._recv.pop(ex.index, ((), ()))
         out = None
         single = (len(bufs) == 1 and not ex.local and not ex.partial and ex.out_shape is not None
                   and tuple(ex.recvs[0].shape) == tuple(ex.out_shape))
@@ -611,10 +698,12 @@ class _ExchangeFn(torch.autograd.Function):
                 gx = torch.zeros(ex.in_shape, dtype=ex.dtype, device=rt.device)
             if ex.out_shape is not None and g_out is None:
                 g_out = torch.zeros(ex.out_shape, dtype=ex.dtype, device=rt.device)
-            bufs = [torch.empty(p.shape, dtype=ex.dtype, device=rt.device) for p in ex.sends]
-            ops = [(False, b, p.dst, tag) for p, b in zip(ex.sends, bufs)]
-            ops += [(True, g_out[p.dst_region].contiguous(), p.src, tag) for p in ex.recvs]
-            works = rt.p2p(ops)
+            rt._arm_backward()
+            works, bufs = rt._bwd_recv.pop(ex.index, None) or rt._post_bwd_recvs(ex)
+            ops = [(True, g_out[p.dst_region].contiguous(), p.src, tag) for p in ex.recvs]
+            sent = rt.p2p(ops)  # waited for at the end of the backward
+            rt._bwd_sends.extend((w, t) for w, (_, t, _, _) in zip(sent, ops)) if not rt.nccl else \
+                rt._bwd_sends.extend([(w, None) for w in sent] + [(None, t) for _, t, _, _ in ops])
             for p in ex.local:
                 gx[p.src_region] += g_out[p.dst_region]
             rt.wait(works, lambda: _describe(ex, "backward"))
@@ -649,6 +738,9 @@ class _OutputFn(torch.autograd.Function):
             full[out.region] += _wire(x)
         if rt.distributed and rt.world > 1:
             work = dist.all_reduce(full, group=rt.coll_group, async_op=True)
+            if full.dtype == out.dtype and out.dtype.is_floating_point:  # waited at first read (Runtime._run wraps the output)
+                out.work = work
+                return full
             rt.wait([work], lambda: f"all_reduce of output {out.name!r} among all {rt.world} ranks")
         full = full.to(out.dtype)
         if not out.dtype.is_floating_point:

@@ -20,7 +20,8 @@ from flexflow.api import LaunchError, launch
 
 
 def _leftovers():
-    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    # torch's shared-memory tensors (other jobs on the host may own other /dev/shm entries)
+    shm = {f for f in os.listdir("/dev/shm") if f.startswith("torch_")} if os.path.isdir("/dev/shm") else set()
     return shm, set(os.listdir(tempfile.gettempdir()))
 
 
