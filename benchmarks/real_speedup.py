@@ -1,0 +1,196 @@
+"""Measured speed of a training step on 2 local processes: DDP, flexflow data
+parallel and flexflow searched, side by side, with the simulator's predictions.
+
+    .venv/bin/python benchmarks/real_speedup.py            # a few minutes
+    .venv/bin/python benchmarks/real_speedup.py --quick    # smoke run
+    .venv/bin/python benchmarks/real_speedup.py --only wide_mlp
+
+For each model, one launch of 2 gloo processes (one thread each) builds three
+contenders on the same processes and the same global batch:
+
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the plain module,
+  each rank running its half of the batch (what a user writes by hand);
+- ``flexflow_dp``: ``flexflow.parallelize`` with ``Strategy.data_parallel``;
+- ``flexflow_searched``: ``flexflow.parallelize`` with no strategy: rank 0
+  searches (``--budget`` seconds, on the detected host) and broadcasts.
+
+Rounds alternate between the contenders so that load from other jobs hits
+them alike; each round is ``--steps`` SGD steps, timed on every rank, and a
+round counts at the slower rank.  Reported: median step time, the spread
+(min-max over rounds), steps/s, the ratio to DDP, and the prediction
+(``Simulator(graph, machine).simulate(strategy).iteration_time`` on the same
+machine the search used).  Writes ``benchmarks/results/real_speedup.md`` and
+``.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import flexflow as ff  # noqa: E402
+from executor_overhead import _Trainer  # noqa: E402
+
+
+class WideMLP(nn.Module):
+    """A model whose parameters dominate: two 4096-wide fully connected layers
+    (21 M parameters, 84 MB of gradients per step) at a small batch."""
+
+    def __init__(self, features=1024, hidden=4096, classes=16):
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, classes)
+        self.features, self.classes = features, classes
+
+    def forward(self, x, y):  # x: (N, features), y: (N,)
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        return F.cross_entropy(self.fc3(h), y)
+
+
+def build(name: str, batch: int):
+    """(module, example inputs), the same on every rank."""
+    if name == "wide_mlp":
+        torch.manual_seed(0)
+        m = WideMLP()
+        g = torch.Generator().manual_seed(1)
+        return m, (torch.randn(batch, m.features, generator=g),
+                   torch.randint(0, m.classes, (batch,), generator=g))
+    return ff.models.get(name, batch_size=batch, size="small", seed=0)
+
+
+# (model, global batch)
+CASES = [("wide_mlp", 32), ("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
+
+
+def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: float):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    module, inputs = build(name, batch)
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.detect().with_devices(world) if ff.Machine.detect().num_devices >= world \
+        else ff.Machine.preset("cpu", devices=world)
+    lo, hi = rank * batch // world, (rank + 1) * batch // world
+    ddp = DDP(copy.deepcopy(module))
+    dp = ff.parallelize(module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine),
+                        machine=machine)
+    t0 = time.perf_counter()
+    searched = ff.parallelize(module, example_inputs=inputs, budget=budget, machine=machine)
+    search_s = time.perf_counter() - t0
+    runs = {"ddp": _Trainer(ddp, tuple(x[lo:hi] for x in inputs)), "flexflow_dp": _Trainer(dp, inputs),
+            "flexflow_searched": _Trainer(searched, inputs)}
+    for t in runs.values():
+        t.steps(3)  # warm-up
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, t in runs.items():
+            dist.barrier()
+            times[k].append(t.steps(steps))
+    out = {"times": times}
+    if rank == 0:
+        sim = ff.Simulator(graph, machine)
+        dp_s = ff.Strategy.data_parallel(graph, machine)
+        out["predicted_s"] = {"ddp": sim.simulate(dp_s).iteration_time,
+                              "flexflow_dp": sim.simulate(dp_s).iteration_time,
+                              "flexflow_searched": sim.simulate(searched.strategy).iteration_time}
+        out["search_s"] = search_s
+        out["machine"] = machine.name
+        out["strategy_table"] = _strategy_lines(graph, searched.strategy, dp_s)
+    return out
+
+
+def _strategy_lines(graph, strategy, dp) -> list[str]:
+    """The ops whose config differs from data parallelism."""
+    return [f"{op.name}: {strategy[op.name]}" for op in graph.compute_ops
+            if strategy[op.name] != dp[op.name]]
+
+
+def run(cases, steps: int, rounds: int, budget: float) -> list[dict]:
+    rows = []
+    for name, batch in cases:
+        res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, timeout_s=900)
+        per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
+        med = {k: statistics.median(v) for k, v in per.items()}
+        row = {"model": name, "batch": batch, "processes": 2, "steps_per_round": steps, "rounds": rounds,
+               "step_ms": {k: v * 1000 for k, v in med.items()},
+               "spread_ms": {k: [min(v) * 1000, max(v) * 1000] for k, v in per.items()},
+               "steps_per_s": {k: 1 / v for k, v in med.items()},
+               "vs_ddp": {k: med["ddp"] / v for k, v in med.items()},
+               "predicted_ms": {k: v * 1000 for k, v in res[0]["predicted_s"].items()},
+               "search_s": res[0]["search_s"], "machine": res[0]["machine"],
+               "searched_differs": res[0]["strategy_table"]}
+        rows.append(row)
+        print(f"{name:12s} " + "  ".join(f"{k} {med[k] * 1000:7.2f} ms ({row['vs_ddp'][k]:.2f}x DDP, "
+                                         f"pred {row['predicted_ms'][k]:.2f})" for k in med), flush=True)
+    return rows
+
+
+def write_report(rows, command: str, seconds: float, out: Path) -> None:
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    names = ["ddp", "flexflow_dp", "flexflow_searched"]
+    lines = ["# Measured speed against DDP (2 gloo processes, CPU)", "",
+             f"Command (from the repository root): `{command}` ({seconds:.0f} s; torch {torch.__version__}, "
+             f"{os.cpu_count()} CPUs, one thread per process).", "",
+             "Median step time over alternating rounds (a round counts at its slower rank); spread is "
+             "min-max over rounds; ×DDP is DDP's step time over the contender's (higher is faster); "
+             "predicted is the simulator's iteration time on the machine the search used.", "",
+             "| model | batch | contender | step ms (spread) | steps/s | ×DDP | predicted ms | error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for k in names:
+            lo, hi = r["spread_ms"][k]
+            err = (r["predicted_ms"][k] - r["step_ms"][k]) / r["step_ms"][k] * 100
+            lines.append(f"| {r['model']} | {r['batch']} | {k} | {r['step_ms'][k]:.2f} ({lo:.2f}-{hi:.2f}) | "
+                         f"{r['steps_per_s'][k]:.1f} | {r['vs_ddp'][k]:.2f} | {r['predicted_ms'][k]:.2f} | "
+                         f"{err:+.0f}% |")
+    lines += ["", "Searched strategies (ops whose config differs from data parallelism; search seconds):", ""]
+    for r in rows:
+        diff = r["searched_differs"]
+        shown = ", ".join(diff[:12]) + (f", ... ({len(diff)} in all)" if len(diff) > 12 else "")
+        lines.append(f"- {r['model']} ({r['search_s']:.1f} s on `{r['machine']}`): "
+                     + (shown if diff else "data parallelism"))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--budget", type=float, default=10.0, help="search seconds")
+    p.add_argument("--only", help="one model")
+    p.add_argument("--quick", action="store_true", help="2 steps x 2 rounds, 2-s search")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_speedup"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds, args.budget = 2, 2, 2.0
+    cases = [c for c in CASES if args.only in (None, c[0])]
+    if not cases:
+        p.error(f"--only {args.only!r}: not one of {[c[0] for c in CASES]}")
+    extra = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join([".venv/bin/python benchmarks/real_speedup.py"] + extra)
+    t0 = time.perf_counter()
+    rows = run(cases, args.steps, args.rounds, args.budget)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_report(rows, command, time.perf_counter() - t0, out)
+    print(f"wrote {out.with_suffix('.md')} and .json")
+
+
+if __name__ == "__main__":
+    main()
