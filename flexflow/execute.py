@@ -79,7 +79,8 @@ from .localrun import constant_value_of, fill_outputs, whole_config
 from .ops import RULES
 from .ops.base import region_shape
 from .pending import Once, pending
-from .strategy import Partition, Strategy, overlap, param_placement, partitions
+from .strategy import (Partition, Strategy, canonical_partitions, overlap, param_placement, partitions,
+                       pick_replica)
 
 __all__ = ["Runtime", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB"]
 
@@ -271,7 +272,7 @@ class Runtime:
             if op.everywhere or name in self.outputs or self.world == 1:
                 continue
             parts = self._parts(op)
-            mine = self._mine(parts)
+            mine = self._mine(canonical_partitions(parts))  # one copy of replicated blocks counts
             self.outputs[name] = _Output(name, tuple(op.output_shape), op.dtype, parts[0].partial,
                                          None if mine is None else mine.output)
         self.chain_length = self.num_exchanges + len(gates) + len(self.outputs)
@@ -339,12 +340,17 @@ class Runtime:
             r = mine.inputs[i]
             return ("whole", src, None if _is_full(r, prod.output_shape) else r)
         pparts = self._parts(prod)
+        same: dict[tuple, list[int]] = {}  # output region -> producer partitions (replicas share one)
+        for qi, q in enumerate(pparts):  # (partial sums are all read and added up)
+            key = (qi,) if q.partial else tuple((s.start, s.stop) for s in q.output)
+            same.setdefault(key, []).append(qi)
         pieces = []
         for c in parts:
             r = c.inputs[i]
             if r is None:
                 continue
-            for q in pparts:
+            for qs in same.values():
+                q = pparts[pick_replica(qs, pparts, c.device, c.index)]
                 ov = overlap(r, q.output)
                 if ov is not None:
                     pieces.append(Piece(self.ranks[q.device], self.ranks[c.device], _rel(ov, q.output),

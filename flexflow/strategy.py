@@ -25,9 +25,16 @@ from .ops.base import out_region, region_numel
 
 __all__ = ["ParallelConfig", "Partition", "Strategy", "StrategyError", "partitions",
            "candidate_configs", "param_placement", "ParamShard", "validate_config",
-           "strategy_space_log10", "format_devices", "overlap"]
+           "strategy_space_log10", "format_devices", "overlap", "REPLICA", "pick_replica",
+           "canonical_partitions"]
 
-_LETTER = {"n": "S", "s": "T"}  # sample prints as S (the paper), sequence as T
+_LETTER = {"n": "S", "s": "T", "r": "R"}  # sample prints as S (the paper), sequence as T, replicas R
+
+# Replicated placement: ``{"r": k}`` computes the op whole on k devices.  Each
+# partition holds the full output (every partition's regions are those of the
+# whole op), parameters are held by all k and their gradients all-reduced among
+# them; a consumer reads from one replica (:func:`pick_replica`).
+REPLICA = "r"
 
 
 class StrategyError(ValueError):
@@ -126,7 +133,13 @@ class Partition:
 def validate_config(op: Op, config: ParallelConfig, num_devices: int | None = None) -> None:
     """Raise StrategyError naming the op when ``config`` does not fit it."""
     dims = {d.name: d for d in op.dims}
-    for name, deg in config.degrees.items():
+    degrees = config.degrees
+    if REPLICA in degrees and len(degrees) > 1:
+        raise StrategyError(f"{op.describe()}: a replicated config ({REPLICA}) cannot also split dims "
+                            f"{sorted(k for k in degrees if k != REPLICA)}")
+    for name, deg in degrees.items():
+        if name == REPLICA:
+            continue
         if name not in dims:
             raise StrategyError(f"{op.describe()}: cannot split dim {name!r}; its parallel dims are "
                                 f"{list(dims) or 'none (it runs whole on one device)'}")
@@ -150,6 +163,12 @@ def partitions(op: Op, config: ParallelConfig) -> list[Partition]:
     validate_config(op, config)
     rule = RULES[op.rule]
     degs = config.degrees
+    if REPLICA in degs:  # k whole copies
+        ins, ps = rule.regions(op, {})
+        parts = [Partition(k, dev, {}, out_region(op, {}), tuple(ins), ps, False)
+                 for k, dev in enumerate(config.devices)]
+        cache[config] = parts
+        return parts
     split = [d for d in op.dims if degs.get(d.name, 1) > 1]
     ranges = []
     for d in split:
@@ -164,6 +183,35 @@ def partitions(op: Op, config: ParallelConfig) -> list[Partition]:
                                tuple(ins), ps, partial))
     cache[config] = parts
     return parts
+
+
+def pick_replica(candidates, parts, device, index: int) -> int:
+    """Of producer partitions ``candidates`` (indices into ``parts``) that hold
+    the same output region, the one a consumer partition (number ``index``, on
+    ``device``) reads from: the copy on its own device when there is one,
+    else copies in turn by consumer index.  The simulator and the executor
+    both route every replicated read through this function."""
+    if len(candidates) == 1:
+        return candidates[0]
+    for q in candidates:
+        if parts[q].device == device:
+            return q
+    return candidates[index % len(candidates)]
+
+
+def canonical_partitions(parts) -> list:
+    """The partitions that stand for their output region: all of them, but of
+    replicas (same region) only the first.  Summing these over devices gives
+    the op's full output once (partial sums all count)."""
+    if parts and parts[0].partial:
+        return list(parts)
+    seen, out = set(), []
+    for p in parts:
+        key = tuple((r.start, r.stop) for r in p.output)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 @dataclass(frozen=True)
@@ -261,6 +309,10 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
         degs = {n: k for n, k in combo if k > 1}
         for start in range(0, D - p + 1, p):
             out.append(ParallelConfig(degs, range(start, start + p)))
+    if op.parallel_dims.get("n") != "sample":  # no batch to split: replicas instead
+        for p in _pow2_upto(D)[1:]:
+            for start in range(0, D - p + 1, p):
+                out.append(ParallelConfig({REPLICA: p}, range(start, start + p)))
     cache[D] = out
     return out
 
@@ -396,12 +448,19 @@ class Strategy(Mapping):
     # built-ins
     @classmethod
     def data_parallel(cls, graph: OpGraph, machine) -> "Strategy":
-        """Every op split along its sample dim over all devices."""
+        """Every op split along its sample dim over all devices; an op with no
+        sample dim that reads only graph constants (positions, masks) and such
+        ops is replicated on every device, as DistributedDataParallel in effect
+        does (no activation travels for it; its gradients are all-reduced)."""
         D = machine.num_devices
         configs = {}
+        replicated = _constant_fed(graph) if D > 1 else set()
         for members in graph.groups.values():
             op = graph.op(members[0])
-            configs[op.name] = _sample_config(op, D)
+            if all(m in replicated for m in members):
+                configs[op.name] = ParallelConfig({REPLICA: D}, range(D))
+            else:
+                configs[op.name] = _sample_config(op, D)
         return cls(graph, configs, machine, name="data_parallel")
 
     @classmethod
@@ -447,6 +506,18 @@ class Strategy(Mapping):
             op = graph.op(members[0])
             configs[op.name] = rng.choice(candidate_configs(op, machine))
         return cls(graph, configs, machine, name=f"random{seed}")
+
+
+def _constant_fed(graph: OpGraph) -> set[str]:
+    """Placed ops without a sample dim whose inputs are all graph constants
+    (``everywhere`` ops other than the inputs) or such ops themselves."""
+    out: set[str] = set()
+    for op in graph.compute_ops:
+        if op.parallel_dims.get("n") == "sample" or not op.inputs:
+            continue
+        if all((graph.op(i).everywhere and graph.op(i).kind != "input") or i in out for i in op.inputs):
+            out.add(op.name)
+    return out
 
 
 def _sample_config(op: Op, D: int) -> ParallelConfig:

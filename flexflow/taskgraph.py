@@ -41,7 +41,7 @@ import numpy as np
 from .cost import GRAD_BUCKET_BYTES
 from .ir import dtype_bytes
 from .ops.base import region_numel
-from .strategy import overlap, param_placement, partitions, validate_config
+from .strategy import overlap, param_placement, partitions, pick_replica, validate_config
 
 __all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "decode_prio"]
 
@@ -302,7 +302,10 @@ class Context:
             cands = [[iv for iv in axis_iv[a] if iv[0] < reg[a].stop and reg[a].start < iv[1]]
                      for a in range(nd)]
             for box in itertools.product(*cands):
-                for q in by_box.get(box, ()):
+                qs = by_box.get(box, ())
+                if len(qs) > 1 and not pu[0].partial:  # replicas (not partial sums): read one copy
+                    qs = (pick_replica(qs, pu, pk.device, k),)
+                for q in qs:
                     ov = overlap(reg, pu[q].output)
                     nb = 0 if ov is None else region_numel(ov) * bpe
                     if nb <= 0:

@@ -221,3 +221,37 @@ def test_json_round_trip_and_refusals():
         Strategy.from_json(json.dumps(d), g)
     with pytest.raises(StrategyError, match="not valid JSON"):
         Strategy.from_json("{", g)
+
+
+def test_replicated_placement():
+    """{"r": k}: k whole copies; data parallelism replicates what reads only
+    constants (the transformer's position embedding) so that nothing travels
+    for it, and its gradients are all-reduced among the copies."""
+    from flexflow.strategy import REPLICA, canonical_partitions, pick_replica
+    module, inputs = ff.models.get("transformer", size="small", batch_size=6)
+    module.eval()
+    g = ff.trace(module, inputs)
+    wpe = g.op("wpe")
+    assert "n" not in wpe.parallel_dims
+    rep = ParallelConfig({REPLICA: 4}, range(4))
+    assert str(rep) == "R4 @[0..3]" and rep in candidate_configs(wpe, P100_4)
+    batched = next(op for op in g.compute_ops if op.parallel_dims.get("n") == "sample")
+    assert not any(REPLICA in c.degrees for c in candidate_configs(batched, P100_4))  # split it instead
+    parts = partitions(wpe, rep)
+    whole = partitions(wpe, ParallelConfig({}, (0,)))[0]
+    assert [p.device for p in parts] == [0, 1, 2, 3]
+    assert all(p.output == whole.output and p.params == whole.params and not p.partial for p in parts)
+    assert len(canonical_partitions(parts)) == 1
+    assert pick_replica([0, 1, 2, 3], parts, 2, 0) == 2 and pick_replica([0, 1], parts, 7, 3) == 1
+    with pytest.raises(StrategyError, match="replicated"):
+        partitions(g.op(g.compute_ops[0].name), ParallelConfig({REPLICA: 2, "n": 2}, range(4)))
+    dp = Strategy.data_parallel(g, P100_4)
+    assert dp["wpe"] == rep
+    assert sum(REPLICA in dp[op.name].degrees for op in g.compute_ops) == 1
+    place = param_placement(g, dp)[wpe.params["weight"]]
+    assert [s.devices for s in place[1]] == [(0, 1, 2, 3)]  # one shard, all-reduced among all
+    res = ff.Simulator(g, P100_4).simulate(dp)
+    assert res.comm_bytes == 0  # no activation travels under data parallelism
+    torch.testing.assert_close(run_graph(g, module, inputs, dp), module(*inputs))
+    text = dp.to_json()
+    assert Strategy.from_json(text, g)["wpe"] == rep
