@@ -1,7 +1,9 @@
 """Simulator against real runs (the paper's Figure 11), on this machine.
 
-For a CNN, a recurrent model and the transformer, scaled to run here, and at
-least five strategies each, on 2 gloo processes (one thread each): the
+For a CNN, a recurrent model, the transformer and a model whose parameters
+dominate (``wide_mlp`` of ``real_speedup.py``), scaled to run here, and eight
+strategies each (data parallel, model parallel, expert, searched and four
+random ones), on 2 gloo processes (one thread each): the
 iteration time the simulator predicts (machine calibrated with
 ``flexflow profile --comm``, ops profiled on this CPU) against the measured
 time of a training step with the executor.  Reports each case's relative
@@ -20,10 +22,12 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 RESULTS = os.path.join(HERE, "results")
 
 # model, global batch: sized so that compute dominates Python overheads here
-CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32)]
+CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32), ("wide_mlp", 32)]
+ROUNDS = 4
 NPROCS = 2
 
 
@@ -37,33 +41,42 @@ def kendall_tau(xs, ys) -> float:
     return s / (n * (n - 1) / 2) if n > 1 else 1.0
 
 
-def _measure(rank, name, batch, strategies_json, warmup, steps):
-    """Run in each process: median step time of every strategy."""
+def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
+    """Run in each process: per strategy, the median step time over interleaved
+    rounds of ``steps`` steps (a step counts at the slower rank), and the spread."""
     import torch
     import torch.distributed as dist
 
     import flexflow as ff
+    from real_speedup import build
     torch.set_num_threads(1)
-    module, inputs = ff.models.get(name, size="small", batch_size=batch)
-    out = {}
+    module, inputs = build(name, batch)
+    graph = ff.trace(module, inputs)
+    runs = {}
     for label, text in strategies_json.items():
-        graph = ff.trace(module, inputs)
-        strategy = ff.Strategy.from_json(text, graph)
-        model = ff.parallelize(module, NPROCS, example_inputs=inputs, strategy=strategy)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        times = []
-        for i in range(warmup + steps):
-            dist.barrier()
-            t = time.perf_counter()
-            opt.zero_grad()
-            loss = model(*inputs)
-            loss.backward()
-            opt.step()
-            dist.barrier()
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-        out[label] = statistics.median(times)
-    return out
+        model = ff.parallelize(module, NPROCS, example_inputs=inputs, strategy=ff.Strategy.from_json(text, graph))
+        runs[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    def step(model, opt):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    times = {k: [] for k in runs}
+    for label, (model, opt) in runs.items():
+        for _ in range(warmup):
+            step(model, opt)
+    for _ in range(rounds):
+        for label, (model, opt) in runs.items():
+            for _ in range(steps):
+                dist.barrier()
+                t = time.perf_counter()
+                step(model, opt)
+                dist.barrier()
+                times[label].append(time.perf_counter() - t)
+    return {k: {"median_s": statistics.median(v), "spread_s": [min(v), max(v)]} for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -85,17 +98,17 @@ def main(argv=None) -> int:
     print(f"calibrated gloo: {figures['latency_s'] * 1e6:.0f} us, {figures['bandwidth_Bps'] / 1e9:.2f} GB/s",
           flush=True)
     machine = ff.Machine.preset("cpu", devices=NPROCS)
-    warmup, steps = (2, 5) if a.quick else (3, 12)
+    warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 3, ROUNDS)
+    from real_speedup import build
     rows = []
     for name, batch in CASES:
-        module, inputs = ff.models.get(name, size="small", batch_size=batch)
+        module, inputs = build(name, batch)
         graph = ff.trace(module, inputs)
         strategies = {
             "data_parallel": ff.Strategy.data_parallel(graph, machine),
             "model_parallel": ff.Strategy.model_parallel(graph, machine),
             "expert": ff.Strategy.expert(graph, machine),
-            "random1": ff.Strategy.random(graph, machine, 1),
-            "random2": ff.Strategy.random(graph, machine, 2),
+            **{f"random{k}": ff.Strategy.random(graph, machine, k) for k in range(1, 5)},
         }
         for label, s in strategies.items():
             profile_graph(graph, "cpu", strategy=s, repeats=3 if a.quick else 5)
@@ -106,12 +119,14 @@ def main(argv=None) -> int:
         cost = CostModel.for_machine(machine)
         sim = Simulator(graph, machine, cost)
         predicted = {k: sim.simulate(s, incremental=False).iteration_time for k, s in strategies.items()}
-        measured = ff.launch(_measure, NPROCS, name, batch, {k: s.to_json() for k, s in strategies.items()},
-                             warmup, steps)[0]
+        got = ff.launch(_measure, NPROCS, name, batch, {k: s.to_json() for k, s in strategies.items()},
+                        warmup, steps, rounds)[0]
+        measured = {k: v["median_s"] for k, v in got.items()}
         for k in strategies:
             err = (predicted[k] - measured[k]) / measured[k]
             rows.append({"model": name, "batch": batch, "strategy": k, "predicted_ms": predicted[k] * 1e3,
-                         "measured_ms": measured[k] * 1e3, "error": err})
+                         "measured_ms": measured[k] * 1e3, "error": err,
+                         "spread_ms": [x * 1e3 for x in got[k]["spread_s"]]})
             print(f"{name:<12} {k:<15} predicted {predicted[k] * 1e3:8.2f} ms  measured "
                   f"{measured[k] * 1e3:8.2f} ms  error {err * 100:+6.1f}%", flush=True)
     taus = {}
@@ -132,12 +147,14 @@ def main(argv=None) -> int:
              f"Command: `{cmd}` ({summary['seconds']:.0f} s). 2 gloo processes on this host's 2 CPU cores, "
              "one thread each; the cpu machine calibrated first (`flexflow profile --comm`), every op "
              "partition the strategies need profiled on this CPU. Measured = median step time "
-             f"(forward, backward, gradient sync, SGD step) over {steps} steps after {warmup} warm-up steps.",
-             "", "| model (small) | batch | strategy | predicted ms | measured ms | error |",
+             f"(forward, backward, gradient sync, SGD step) over {rounds} interleaved rounds of {steps} steps "
+             f"of every strategy, after {warmup} warm-up steps; spread = fastest and slowest step.",
+             "", "| model (small) | batch | strategy | predicted ms | measured ms (spread) | error |",
              "|---|---:|---|---:|---:|---:|"]
     for r in rows:
+        lo, hi = r["spread_ms"]
         lines.append(f"| {r['model']} | {r['batch']} | {r['strategy']} | {r['predicted_ms']:.2f} | "
-                     f"{r['measured_ms']:.2f} | {r['error'] * 100:+.1f}% |")
+                     f"{r['measured_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['error'] * 100:+.1f}% |")
     lines += ["", f"Median |error| {summary['median_abs_error'] * 100:.1f}% (aim < 15%), largest "
               f"{summary['max_abs_error'] * 100:.1f}% (aim < 30%), {summary['within_30pct']} of "
               f"{summary['cases']} cases within 30%.", "",

@@ -183,11 +183,13 @@ def _maybe_init_from_env(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _default_machine(n: int, nccl: bool) -> Machine:
-    """The GPUs of this host under NCCL, else the cpu preset, with exactly n devices."""
-    if nccl:
+def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
+    """The GPUs of this host under NCCL, else this host's (calibrated) cpu machine,
+    with exactly n devices.  Only the rank that searches calibrates a new host
+    (``searching``); the others read the cached figures."""
+    if nccl or searching:
         m = Machine.detect()
-        if m.num_devices >= n and m.spec.backend == "nccl":
+        if m.num_devices >= n and m.spec.backend == ("nccl" if nccl else "gloo"):
             return m.with_devices(n)
     m = Machine.preset("cpu")
     if n > m.num_devices:  # more local processes than the preset counts: one node of n
@@ -327,7 +329,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
     try:
         ranks = _resolve_devices(devices, world)
         if machine is None:
-            machine = _default_machine(len(ranks), nccl)
+            machine = _default_machine(len(ranks), nccl, searching=strategy is None and rank == 0
+                                       and len(ranks) > 1)
         elif machine.num_devices != len(ranks):
             raise ValueError(f"machine {machine.name!r} has {machine.num_devices} devices but "
                              f"{len(ranks)} ranks take part ({ranks})")

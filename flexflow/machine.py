@@ -116,6 +116,22 @@ def _cpu_default() -> "Machine":
     return Machine("cpu", 1, n, spec, LinkSpec(2e9, 50e-6, "loopback"))
 
 
+def _calibrate_once() -> None:
+    """Calibrate the cpu machine into the cache unless a calibrated file is there."""
+    from .comm import cpu_machine_file
+    path = cpu_machine_file()
+    if path.exists():
+        return
+    import sys
+    print(f"flexflow: calibrating this host once (gloo between 2 processes, CPU speed); "
+          f"cached in {path}", file=sys.stderr, flush=True)
+    try:
+        from .profile import calibrate_comm
+        calibrate_comm(nprocs=2, path=path, sizes_bytes=(4096, 256 * 1024, 4 * 2**20), repeats=3, warmup=1)
+    except Exception as e:  # noqa: BLE001 - an uncalibrated machine still works
+        warnings.warn(f"host calibration failed ({type(e).__name__}: {e}); using the cpu preset's defaults")
+
+
 def _cpu_preset() -> "Machine":
     """The cpu preset, taken from the calibrated machine file when one exists (see comm.py)."""
     from .comm import cpu_machine_file
@@ -211,12 +227,22 @@ class Machine:
         return dataclasses.replace(self, num_nodes=math.ceil(n / self.devices_per_node), num_devices=n)
 
     @classmethod
-    def detect(cls) -> "Machine":
+    def detect(cls, calibrate: bool | None = None) -> "Machine":
         """This host: its NVIDIA GPUs as one node (pynvml), else the cpu preset with one
-        process per core (never raises for a missing driver)."""
+        process per core (never raises for a missing driver).  On a CPU host the
+        preset is the calibrated one: the first call measures gloo between local
+        processes and this CPU's speed (a few seconds) and caches the figures
+        (``flexflow profile --comm`` redoes it); ``calibrate=False`` or
+        $FLEXFLOW_NO_CALIBRATE=1 skips that and uses the cached file or the defaults."""
         m = _try(_detect_gpus, None)  # a broken driver must not break the library
-        cpu = cls.preset("cpu") if m is None else None
-        return m or cpu.with_devices(min(os.cpu_count() or 1, cpu.num_devices))
+        if m is not None:
+            return m
+        if calibrate is None:
+            calibrate = os.environ.get("FLEXFLOW_NO_CALIBRATE", "") in ("", "0")
+        if calibrate:
+            _calibrate_once()
+        cpu = cls.preset("cpu")
+        return cpu.with_devices(min(os.cpu_count() or 1, cpu.num_devices))
 
     # ---- routes and costs ---------------------------------------------------------------
     def _id(self, d) -> int:

@@ -213,3 +213,19 @@ def test_device_spec_validation():
     assert LinkSpec(1.0, 0.0, "k") == LinkSpec(1.0, 0.0, "k")
     assert hash(Machine.preset("h200-node")) == hash(Machine.preset("h200-node"))
     assert GPU_SPECS["K80"].flops("float16") == 4.4e12
+
+
+def test_detect_calibrates_a_cpu_host_once(monkeypatch):
+    """Without a cached file, detect() measures this host and caches it; later calls
+    (and the cpu preset) read the file."""
+    monkeypatch.setattr("flexflow.machine._detect_gpus", lambda: None)
+    monkeypatch.delenv("FLEXFLOW_NO_CALIBRATE", raising=False)
+    assert not cpu_machine_file().exists()
+    m = Machine.detect()
+    path = cpu_machine_file()
+    assert path.exists() and m.spec.kind == "cpu"
+    stamp = path.stat().st_mtime_ns
+    again = Machine.detect()
+    assert path.stat().st_mtime_ns == stamp  # not measured twice
+    assert again.fingerprint() == m.fingerprint()
+    assert Machine.preset("cpu").intra_node == Machine.load(path).intra_node  # the measured link
