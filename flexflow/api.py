@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from .execute import BUCKET_CAP_MB, Runtime, tensor_of
 from .machine import Machine
+from .program import check_programs, describe
 from .strategy import Strategy, StrategyError
 from .trace import trace
 
@@ -120,6 +121,10 @@ class ParallelModule(nn.Module):
     @property
     def graph(self):
         return self._runtime.graph
+
+    def program(self) -> str:
+        """This rank's program in words: what it runs, sends, waits for and reduces, in order."""
+        return describe(self._runtime)
 
     def forward(self, *inputs):
         return self._runtime.run(inputs)
@@ -369,6 +374,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
         _broadcast_state(module, device)
     runtime = Runtime(graph, chosen, module, ranks, device=device, timeout_s=timeout_s,
                       bucket_cap_mb=bucket_cap_mb)
+    check_programs(runtime)  # a mismatch between ranks is an error now, not a hang at the first step
     return ParallelModule(module, runtime)
 
 

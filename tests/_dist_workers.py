@@ -363,3 +363,25 @@ def faulty(rank: int, how: str, timeout_s: float, ckpt: str):
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"rank 0 failed after {time.perf_counter() - t0:.2f} s: {type(e).__name__}: {e}")
     return "rank 0 did not fail"
+
+
+def mismatched_programs(rank: int):
+    """Programs that match pass the setup check; then rank 0 drops a send from its
+    plan and the check must fail on every rank, naming the message."""
+    from flexflow.program import ProgramMismatch, check_programs, describe
+
+    torch.set_num_threads(1)
+    module, example = build("lenet", 4)
+    graph = ff.trace(module, example)
+    machine = Machine.preset("cpu", devices=dist.get_world_size())
+    model = parallelize(module, example_inputs=example, strategy=Strategy.model_parallel(graph, machine))
+    text = model.program()
+    rt = model.runtime
+    if rank == 0:
+        ex = next(e for e in rt.exchanges if e.sends)
+        ex.sends = []
+    try:
+        check_programs(rt)
+        return {"error": None, "program": text}
+    except ProgramMismatch as e:
+        return {"error": str(e), "program": text, "same_as_describe": describe(rt).splitlines()[0]}

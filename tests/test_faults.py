@@ -96,3 +96,15 @@ def test_every_rank_exits_zero():
     out = launch(W.equivalence, 2, [("lenet", 4, "eval", ["data_parallel"], False)], timeout_s=60)
     assert len(out) == 2 and all(r and r[0]["spec"] == "data_parallel" for r in out)
     assert not _children_alive()
+
+
+def test_mismatched_programs_fail_at_setup_on_every_rank():
+    """Rank 0 drops a send from its plan: both ranks refuse at setup, naming the
+    receive that would have waited forever; matching programs pass."""
+    out = launch(W.mismatched_programs, 2, timeout_s=60)
+    for r in out:
+        assert r["error"] and "has no matching send" in r["error"], r["error"]
+        assert "rank 1 will recv" in r["error"] and "from rank 0" in r["error"], r["error"]
+    assert out[0]["error"] == out[1]["error"]  # every rank names the same first mismatch
+    assert "run    conv1" in out[0]["program"] and "send   " in out[0]["program"]
+    assert "wait   " in out[1]["program"]

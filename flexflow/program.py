@@ -1,0 +1,112 @@
+"""A rank's program in words, and the setup check that all ranks' programs match.
+
+Every rank plans its program on its own from the same graph and strategy
+(:class:`flexflow.execute.Runtime`).  If two ranks ever disagreed (a send
+without its receive, another shape, another order of collectives on a
+group), the first step would hang until the timeout.  :func:`check_programs`
+makes that an error at setup instead: each rank lists the messages it will
+send and receive and the collectives it will launch per process group, the
+lists are exchanged once, and every rank verifies every pair.
+"""
+from __future__ import annotations
+
+import math
+
+__all__ = ["describe", "messages", "check_programs", "ProgramMismatch"]
+
+
+class ProgramMismatch(RuntimeError):
+    """The programs of two ranks do not match (raised on every rank, at setup)."""
+
+
+def _dtype(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def messages(rt) -> dict:
+    """This rank's communication, as plain data:
+    ``p2p``: (direction, peer, tag, shape, dtype, what) per message, forward and backward;
+    ``collectives``: group ranks -> [(numel, dtype, what)] in launch order."""
+    p2p = []
+    for ex in rt.exchanges:
+        what = f"{ex.producer} -> {ex.consumer} (exchange {ex.index})"
+        wire = "uint8" if _dtype(ex.dtype) == "bool" else _dtype(ex.dtype)
+        for p in ex.sends:
+            p2p.append(("send", p.dst, 2 * ex.index, tuple(p.shape), wire, what))
+            if ex.grad:
+                p2p.append(("recv", p.dst, 2 * ex.index + 1, tuple(p.shape), _dtype(ex.dtype), what + " grad"))
+        for p in ex.recvs:
+            p2p.append(("recv", p.src, 2 * ex.index, tuple(p.shape), wire, what))
+            if ex.grad:
+                p2p.append(("send", p.src, 2 * ex.index + 1, tuple(p.shape), _dtype(ex.dtype), what + " grad"))
+    colls: dict = {}
+    if rt.world > 1:
+        every = tuple(range(rt.world))
+        for out in rt.outputs.values():
+            colls.setdefault(every, []).append((math.prod(out.shape), _dtype(out.dtype), f"output {out.name}"))
+    for step in reversed(rt.program):  # gradient buckets launch in backward order
+        if step.gate is None:
+            continue
+        for key, quals in step.gate.buckets:
+            numel = sum(rt.params[q].numel() for q in quals)
+            dtype = _dtype(rt.params[quals[0]].dtype)
+            colls.setdefault(tuple(key), []).append((numel, dtype, f"gradients of {', '.join(quals[:3])}"
+                                                     + (" ..." if len(quals) > 3 else "")))
+    return {"p2p": p2p, "collectives": colls}
+
+
+def describe(rt) -> str:
+    """This rank's program, one line per action, in the order it runs them."""
+    lines = [f"rank {rt.rank} of {rt.world}: strategy {rt.strategy.name!r}, devices {rt.ranks}"]
+    by_producer = rt.sends_after
+    for step in rt.program:
+        op = step.op
+        if step.everywhere:
+            continue
+        for entry in step.inputs:
+            if entry is not None and entry[0] == "xchg" and entry[2].recvs:
+                ex = entry[2]
+                srcs = sorted({p.src for p in ex.recvs})
+                lines.append(f"  wait   {ex.producer} -> {op.name} from rank(s) {srcs} (exchange {ex.index})")
+        if step.gate is not None:
+            lines.append(f"  gate   {len(step.gate.quals)} gradient shard(s) all-reduced when the backward "
+                         f"passes {op.name}")
+        if step.part is not None:
+            lines.append(f"  run    {op.name} [{op.kind}] {rt.strategy[op.name]} partition {step.part.index}")
+        for ex in by_producer.get(op.name, ()):
+            dsts = sorted({p.dst for p in ex.sends})
+            lines.append(f"  send   {op.name} -> {ex.consumer} to rank(s) {dsts} (exchange {ex.index})")
+    for out in rt.outputs.values():
+        lines.append(f"  reduce output {out.name} over all ranks (waited on at first read)")
+    return "\n".join(lines)
+
+
+def check_programs(rt) -> None:
+    """Collective: every rank's messages and collectives match its peers'.
+    Raises :class:`ProgramMismatch` on every rank, naming the first mismatch."""
+    import torch.distributed as dist
+    if not rt.distributed or rt.world == 1:
+        return
+    mine = messages(rt)
+    everyone = [None] * rt.world
+    dist.all_gather_object(everyone, mine)
+    problems = []
+    for r, prog in enumerate(everyone):
+        for direction, peer, tag, shape, dtype, what in prog["p2p"]:
+            want = ("recv" if direction == "send" else "send", r, tag, shape, dtype)
+            if not any(m[:5] == want for m in everyone[peer]["p2p"]):
+                problems.append(f"rank {r} will {direction} {what} (tag {tag}, shape {shape}, {dtype}) "
+                                f"{'to' if direction == 'send' else 'from'} rank {peer}, which has no "
+                                f"matching {want[0]}")
+        for group, seq in prog["collectives"].items():
+            for other in group:
+                theirs = [c[:2] for c in everyone[other]["collectives"].get(group, [])]
+                if theirs != [c[:2] for c in seq]:
+                    problems.append(f"ranks {r} and {other} launch different collectives on group {list(group)}: "
+                                    f"{[c[2] for c in seq][:3]} against "
+                                    f"{[c[2] for c in everyone[other]['collectives'].get(group, [])][:3]}")
+        if problems:
+            break
+    if problems:
+        raise ProgramMismatch("the ranks' programs do not match (this would hang the first step): "
+                              + problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
