@@ -43,6 +43,12 @@ def _spatial_regions(op: Op, out):
     a = op.attrs
     sl, pads = [], []
     for i in range(len(in_shape) - 2):
+        if out[2 + i].start == 0 and out[2 + i].stop == op.output_shape[2 + i]:
+            # axis not split: the whole input with the op's own padding (the kernel pads,
+            # no copy), even where the last input rows feed no window
+            sl.append(slice(0, in_shape[2 + i]))
+            pads.append((a["padding"][i], a["padding"][i]))
+            continue
         lo, hi, plo, phi = window_input_range(out[2 + i].start, out[2 + i].stop, a["stride"][i],
                                               a["padding"][i], a["dilation"][i], a["kernel"][i],
                                               in_shape[2 + i])
