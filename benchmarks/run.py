@@ -26,6 +26,8 @@ BENCHMARKS = {
     "sim_speed": ("benchmarks/sim_speed.py", [], ["--quick"]),
     "sim_accuracy": ("benchmarks/sim_accuracy.py", [], ["--quick"]),
     "executor_overhead": ("benchmarks/executor_overhead.py", [], ["--quick"]),
+    "real_speedup": ("benchmarks/real_speedup.py", [], ["--quick"]),
+    "soak": ("benchmarks/soak.py", ["--runs", "100"], ["--runs", "8"]),
     "search_quality": ("benchmarks/search_quality.py", [], ["--quick"]),
     "inception_case_study": ("examples/inception_case_study.py",
                              ["--budget", "120", "--out", "benchmarks/results/inception_case_study.md"],
