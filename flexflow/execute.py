@@ -572,11 +572,15 @@ class Runtime:
                     continue
                 mode, src, data = entry
                 if mode == "xchg":
-                    token, x = _ExchangeFn.apply(self, data, token, vals.get(src))
+                    token, x = _ExchangeFn.apply(self, data, token, _tensor(vals, src))
                     ins.append(x)
                 else:
                     x = vals[src]
-                    ins.append(x if data is None else x[data])
+                    if data is not None:
+                        x = x[data]
+                    if isinstance(x, _Stacked) and op.rule != "index":
+                        x = x.stack()
+                    ins.append(x)
             if step.gate is not None and grad:
                 quals = step.gate.quals
                 token, *gated = _GateFn.apply(self, step.gate, token, *[pvals[q] for q in quals])
@@ -589,14 +593,18 @@ class Runtime:
                 if reshape_to is not None:
                     t = t.reshape(reshape_to)
                 params[local] = t if region is None else t[region]
-            vals[op.name] = RULES[op.rule].compute(op, step.part.block, ins, params)
+            rule = RULES[op.rule]
+            if op.attrs.get("stacked") and hasattr(rule, "compute_parts"):  # (h, c) kept apart
+                vals[op.name] = _Stacked(rule.compute_parts(op, step.part.block, ins, params))
+            else:
+                vals[op.name] = rule.compute(op, step.part.block, ins, params)
             if op.name in self.sends_after:
                 self._post_sends(op.name, vals[op.name])
         results = {}
         for name in self.graph.output_names():
             if name in self.outputs:
                 out = self.outputs[name]
-                res = _OutputFn.apply(self, out, token, vals.get(name))
+                res = _OutputFn.apply(self, out, token, _tensor(vals, name))
                 work = getattr(out, "work", None)
                 if work is not None:  # still being all-reduced: wait at first read
                     out.work = None
@@ -606,7 +614,7 @@ class Runtime:
                     res = pending(res, once)
                 results[name] = res
             elif name in vals:
-                results[name] = vals[name]
+                results[name] = _tensor(vals, name)
         return fill_outputs(self.graph.outputs, results)
 
     # -- state ----------------------------------------------------------------
@@ -644,6 +652,60 @@ class Runtime:
             for qual, (view, region, _) in self.shards.items():
                 dst = self.params[qual] if qual in self.params else self.buffers[qual]
                 dst.copy_(tensor_of(self.module, qual).detach().reshape(view)[region])
+
+
+# --------------------------------------------------------------------------- stacked outputs
+class _Stacked:
+    """The value of an op whose outputs are stacked (an LSTM cell's (h, c)),
+    kept as its parts: indexing one part returns it without the stack and the
+    select, whose backward would allocate and add full-size zeros for every
+    use.  Anything else gets the stacked tensor (:meth:`stack`, made once)."""
+
+    __slots__ = ("parts", "_whole")
+
+    def __init__(self, parts):
+        self.parts, self._whole = list(parts), None
+
+    def stack(self) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = torch.stack(self.parts)
+        return self._whole
+
+    @property
+    def dtype(self):
+        return self.parts[0].dtype
+
+    def dim(self) -> int:
+        return self.parts[0].dim() + 1
+
+    def detach(self) -> "_Stacked":
+        return _Stacked([p.detach() for p in self.parts])
+
+    def contiguous(self) -> torch.Tensor:
+        return self.stack().contiguous()
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        first, rest = idx[0], idx[1:]
+        shape = self.parts[0].shape
+        full = all(isinstance(r, slice) and r.step in (None, 1) and (r.start or 0) == 0
+                   and (r.stop is None or r.stop >= n) for r, n in zip(rest, shape))
+        if isinstance(first, int):
+            part = self.parts[first]
+            return part if full else part[rest]
+        if isinstance(first, slice) and first.step in (None, 1):
+            sub = self.parts[first]
+            return _Stacked(sub if full else [p[rest] for p in sub])
+        return self.stack()[idx]
+
+
+def _tensor(vals: dict, name: str):
+    """vals[name] as a tensor (a stacked value is stacked, once); None when absent."""
+    v = vals.get(name)
+    if isinstance(v, _Stacked):
+        v = vals[name] = v.stack()
+    return v
 
 
 # --------------------------------------------------------------------------- autograd

@@ -145,6 +145,10 @@ class LSTMCell(Rule):
         return ins, ps
 
     def compute(self, op, block, inputs, params):
+        return torch.stack(self.compute_parts(op, block, inputs, params))
+
+    def compute_parts(self, op, block, inputs, params):
+        """(h, c) of the partition, unstacked (the executor keeps them apart)."""
         x = inputs[0]
         w_ih = params["weight_ih"]  # (4, hs, I)
         hs = w_ih.shape[1]
@@ -153,7 +157,7 @@ class LSTMCell(Rule):
             h, c = torch.lstm_cell(x, (inputs[1], inputs[2]), w_ih.reshape(4 * hs, -1),
                                    params["weight_hh"].reshape(4 * hs, -1),
                                    params["bias_ih"].reshape(-1), params["bias_hh"].reshape(-1))
-            return torch.stack([h, c])
+            return h, c
         gates = x @ w_ih.reshape(4 * hs, -1).t()
         if len(inputs) == 3:
             h_prev, c_prev = inputs[1], inputs[2]
@@ -169,7 +173,7 @@ class LSTMCell(Rule):
         if c_prev is not None:
             c = c + torch.sigmoid(f) * c_prev
         h = torch.sigmoid(o) * torch.tanh(c)
-        return torch.stack([h, c])
+        return h, c
 
     def flops(self, op, block):
         _, n, hs = region_shape(out_region(op, block))
