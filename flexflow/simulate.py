@@ -31,7 +31,8 @@ from typing import Callable
 
 from .cost import CostModel
 from .memory import optimizer_state_copies
-from .taskgraph import KEY_SHIFT, KIND_NAMES, PS, TID_BITS, TID_MASK, Context, TaskGraph, decode_prio
+from .taskgraph import (KEY_SHIFT, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, Context, TaskGraph,
+                        decode_prio)
 
 __all__ = ["Simulator", "SimResult"]
 
@@ -90,21 +91,26 @@ class Simulator:
     ``simulate(strategy, incremental=True)`` reuses the previous call's task graph and
     timeline (delta simulation); ``incremental=False`` simulates from scratch.  Both return
     the same :class:`SimResult`.  ``optimizer``: "sgd", "momentum" or "adam", the optimizer
-    whose state and step temporaries count in ``peak_memory``."""
+    whose state and step temporaries count in ``peak_memory``.  ``sync``: "ring" (bucketed
+    ring all-reduce overlapping the backward, as the executor and DDP sync) or "ps" (the
+    paper's runtime: gradients gathered to one replica and sent back, added after the task
+    graph with no overlap -- only to put the paper's figures side by side)."""
 
     def __init__(self, graph, machine, cost_model: CostModel | None = None, *, optimizer: str = "sgd",
-                 max_delta_fraction: float = 0.25):
+                 sync: str = "ring", max_delta_fraction: float = 0.25):
         self.graph, self.machine = graph, machine
         self.cost_model = cost_model or CostModel(machine)
         self._fingerprint = machine.fingerprint()
         # simulators sharing a cost model (and graph, machine) share the per-config caches
         shared = self.cost_model.__dict__.setdefault("_simulator_contexts", {})
         optimizer_state_copies(optimizer)  # a clear error for an unknown optimizer
-        self.optimizer = optimizer
-        key = (id(graph), self._fingerprint, optimizer)
+        if sync not in SYNC_MODELS:
+            raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
+        self.optimizer, self.sync = optimizer, sync
+        key = (id(graph), self._fingerprint, optimizer, sync)
         ctx = shared.get(key)
         if ctx is None or ctx.graph is not graph:
-            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer)
+            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer, sync)
         self.ctx = ctx
         self.max_delta_fraction = max_delta_fraction
         self._tg: TaskGraph | None = None
@@ -183,6 +189,7 @@ class Simulator:
         ctx = self.ctx
         D = ctx.D
         end = max(self._sched.free) if self._sched.free else 0
+        end += int(tg.CLPS.sum())  # sync="ps": the parameter server's time, after the graph
         mem = tg.memory_peak()
         busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
         busy[:D] += tg.UBUSY.sum(0)

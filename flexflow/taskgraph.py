@@ -44,7 +44,12 @@ from .memory import Liveness, optimizer_state_copies
 from .ops.base import region_numel
 from .strategy import overlap, param_placement, partitions, validate_config
 
-__all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "decode_prio"]
+__all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
+
+# "ring": bucketed ring all-reduce overlapping the backward (what the executor and DDP do);
+# "ps": the paper's runtime -- gradients gathered to one replica, updated, sent back, after
+# the task graph with no overlap (only to set the paper's figures side by side)
+SYNC_MODELS = ("ring", "ps")
 
 PS = 10**12  # picoseconds per second
 F, B, XF, XB, SYNC, UPD = range(6)
@@ -95,7 +100,7 @@ class _EdgePlan:
 
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
-    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "cols")
+    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols")
 
 
 class Context:
@@ -104,9 +109,11 @@ class Context:
     Caches: op templates per (op, config), transfer plans per (input edge, producer config,
     consumer config), parameter plans per (cluster, users' configs).  They only grow."""
 
-    def __init__(self, graph, machine, cost_model, optimizer: str = "sgd"):
+    def __init__(self, graph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
         self.graph, self.machine, self.cost = graph, machine, cost_model
-        self.optimizer = optimizer
+        if sync not in SYNC_MODELS:
+            raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
+        self.optimizer, self.sync = optimizer, sync
         self.optimizer_copies = optimizer_state_copies(optimizer)
         ops = self.ops = graph.ops
         n = len(ops)
@@ -324,6 +331,12 @@ class Context:
         self._edge[key] = e
         return e
 
+    def ps_sync_ps(self, devices, nbytes: int) -> int:
+        """Parameter-server sync of one gradient among ``devices``: every other replica sends
+        it to the first, which sends the updated values back, one transfer after another."""
+        root, rest = devices[0], devices[1:]
+        return sum(self.transfer_ps(d, root, nbytes) + self.transfer_ps(root, d, nbytes) for d in rest)
+
     def cluster_plan(self, c: int, cfg: list) -> _ClusterPlan:
         """Parameter plan of cluster c; ``cfg``: op index -> config."""
         us, pidx = self.clusters[c]
@@ -344,6 +357,7 @@ class Context:
         cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
         cp.busy = np.zeros(self.R, np.int64)
         cp.sync_bytes = 0
+        cp.ps_ps = 0  # parameter-server sync time added after the task graph (sync="ps")
         upd_s: dict[int, float] = {}
         upd_syncs: dict[int, list[int]] = {}
         upd_bdep: set[int] = set()
@@ -362,7 +376,11 @@ class Context:
                     g[0] += nb
         group_sync: dict[tuple, int] = {}
         for devices, (nb, (pi, si)) in groups.items():
-            dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
+            if self.sync == "ps":
+                cp.ps_ps += self.ps_sync_ps(devices, nb)
+                dur = 1  # the sync task only orders the updates; its time comes after the graph
+            else:
+                dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
             links = tuple(D + l for l in m.allreduce_links(devices))
             r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
             group_sync[devices] = len(cp.syncs)
@@ -449,6 +467,7 @@ class TaskGraph:
         self.CEV = [None] * nc     # cluster -> its memory events
         self.CLBUSY = np.zeros((nc, R), np.int64)
         self.CLSYNC = np.zeros(nc, np.int64)
+        self.CLPS = np.zeros(nc, np.int64)  # parameter-server sync picoseconds (sync="ps")
         self.strategy = strategy
         comp = ctx.compute
         ops = ctx.ops
@@ -472,6 +491,7 @@ class TaskGraph:
             self.CLTRAIN[:] = np.stack([cp.grad for cp in cps])
             self.CLBUSY[:] = np.stack([cp.busy for cp in cps])
             self.CLSYNC[:] = [cp.sync_bytes for cp in cps]
+            self.CLPS[:] = [cp.ps_ps for cp in cps]
         for h in heads:
             self._make_updates(h, False)
         nt = len(self.DUR)
@@ -695,6 +715,7 @@ class TaskGraph:
             self._set_events(self.CEV, c, self.ctx.live.cluster_events(c, cp))
             self.CLBUSY[c] = cp.busy
             self.CLSYNC[c] = cp.sync_bytes
+            self.CLPS[c] = cp.ps_ps
 
     def _make_updates(self, h: int, link: bool) -> None:
         """One update task per device for the clusters first used by the unit's ops."""

@@ -164,20 +164,20 @@ def test_peak_memory_matches_memtracker(name, optimizer):
     assert abs(pred - measured) <= 0.1 * measured, (pred, measured)
 
 
-def _walk(g, machine, steps, seed, check_every=1, validate_every=0):
+def _walk(g, machine, steps, seed, check_every=1, validate_every=0, **options):
     """Random single-op changes, kept when within 2% of the best time seen (as a search
     would; the others are dropped, so the next call differs in two ops), back to data
     parallelism every 100 steps (a new chain); delta vs full at every step."""
     gc.disable()  # the walk keeps many task graphs and plans alive: collections are slow
     try:
-        return _walk_inner(g, machine, steps, seed, check_every, validate_every)
+        return _walk_inner(g, machine, steps, seed, check_every, validate_every, options)
     finally:
         gc.enable()
 
 
-def _walk_inner(g, machine, steps, seed, check_every, validate_every):
+def _walk_inner(g, machine, steps, seed, check_every, validate_every, options):
     cm = CostModel(machine)
-    delta, full = Simulator(g, machine, cm), Simulator(g, machine, cm)
+    delta, full = Simulator(g, machine, cm, **options), Simulator(g, machine, cm, **options)
     rng = random.Random(seed)
     reps = [members[0] for members in g.groups.values()]
     cur = Strategy.data_parallel(g, machine)
@@ -209,6 +209,34 @@ def test_delta_equals_full_on_1000_random_changes(inception, p100_16):
 def test_delta_equals_full_with_shared_parameters_and_validates(nmt_small, lenet):
     _walk(nmt_small, Machine.preset("p100-cluster", devices=8), 150, seed=2, validate_every=10)
     _walk(lenet, Machine.preset("k80-cluster", devices=8), 150, seed=3, validate_every=10)
+
+
+def test_delta_equals_full_with_parameter_server_sync_and_adam(nmt_small, lenet):
+    _walk(nmt_small, Machine.preset("k80-cluster", devices=8), 80, seed=4, sync="ps", optimizer="adam")
+    _walk(lenet, Machine.preset("p100-cluster", devices=4), 80, seed=5, sync="ps", optimizer="momentum")
+
+
+def test_parameter_server_sync_comes_after_the_task_graph(lenet):
+    """sync="ps": every replica but the first sends each gradient to the first and gets the
+    values back, one transfer after another, after the rest of the step; nothing to sync,
+    nothing added."""
+    from flexflow.taskgraph import PS
+    m = Machine.preset("k80-cluster", devices=4)
+    sim = Simulator(lenet, m, sync="ps")
+    r = sim.simulate(Strategy.data_parallel(lenet, m), incremental=False)
+    graph_end = max(sim._sched.free)
+    extra = 0
+    for op in lenet.compute_ops:
+        nb = sum(math.prod(s) * 4 for s in op.param_shapes.values())
+        if nb:
+            extra += sum(sim.ctx.transfer_ps(d, 0, nb) + sim.ctx.transfer_ps(0, d, nb) for d in (1, 2, 3))
+    assert round(r.iteration_time * PS) == graph_end + extra
+    ring = Simulator(lenet, m).simulate(Strategy.data_parallel(lenet, m))
+    assert r.sync_bytes == ring.sync_bytes and r.iteration_time > ring.iteration_time
+    mp = Strategy.model_parallel(lenet, m)  # every op on one device: no replicas
+    assert Simulator(lenet, m, sync="ps").simulate(mp) == Simulator(lenet, m).simulate(mp)
+    with pytest.raises(ValueError, match="unknown sync model 'tree'"):
+        Simulator(lenet, m, sync="tree")
 
 
 def test_incremental_with_many_changes_and_repeats(inception, p100_16):

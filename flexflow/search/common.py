@@ -22,9 +22,9 @@ class SearchError(ValueError):
     """The search cannot run on this graph/machine (no candidate config, bad init, ...)."""
 
 
-def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd"):
+def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
     from ..simulate import Simulator  # imported late: simulate imports nothing from here
-    return Simulator(graph, machine, cost_model, optimizer=optimizer)
+    return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync)
 
 
 # --------------------------------------------------------------------------- space & costs

@@ -19,7 +19,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
            polish: bool = True, temperature: float = 0.01,
-           baselines: dict | None = None, optimizer: str = "sgd") -> SearchResult:
+           baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring") -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     budget: seconds for the whole call (baselines included); ignored when
@@ -42,6 +42,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         ``baseline_strategies``) instead of recomputing them.
     optimizer: "sgd", "momentum" or "adam": whose state counts in the memory
         every strategy must fit.
+    sync: the simulator's parameter-sync model ("ring", or "ps" for the paper's
+        parameter server; see :class:`flexflow.Simulator`).
     """
     t0 = time.perf_counter()
     if evaluations is not None and (isinstance(evaluations, bool) or int(evaluations) < 1):
@@ -62,7 +64,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")
-    sim0 = _simulator(graph, machine, cm, optimizer)
+    sim0 = _simulator(graph, machine, cm, optimizer, sync)
     base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
     scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
@@ -92,7 +94,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     try:
         state, cost, sims = [], [], []
         for _, s in starts:
-            sim = _simulator(graph, machine, cm, optimizer)
+            sim = _simulator(graph, machine, cm, optimizer, sync)
             res = sim.simulate(s, incremental=delta)
             state.append(s)
             cost.append(run.seen(s, res)[1])
@@ -118,7 +120,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                     accepted += 1
         converged = False
         if polish and space.movable:
-            converged = _descend(run, space, graph, machine, cm, delta, seed, optimizer)
+            converged = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync)
     finally:
         run.close()
 
@@ -143,7 +145,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
 
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
-             optimizer: str = "sgd") -> bool:
+             optimizer: str = "sgd", sync: str = "ring") -> bool:
     """Local descent from the run's best strategy, first improvement: single-group
     changes (in a seeded order) until none improves; then pair moves (two adjacent
     groups, producer and consumer, to one common config: a change the one-group
@@ -151,7 +153,7 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
     changes after a pair move improves.  Returns True when it converged (no
     single-group or pair change improves: a local optimum), False when the budget
     ran out first."""
-    sim = _simulator(graph, machine, cm, optimizer)
+    sim = _simulator(graph, machine, cm, optimizer, sync)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
     pairs = []
