@@ -15,10 +15,15 @@ Tasks (the paper's task graph, section 5):
 - ``sync``: per trainable parameter shard (``param_placement``) held by more than one device, a
   ring all-reduce among exactly its devices once every backward using it on them is done; it
   holds the ring's links (``machine.allreduce_links``) for ``machine.allreduce_time_s`` and
-  overlaps the remaining backward work.
-- ``update``: per unit and device, the SGD-with-momentum update of the trainable shards whose
+  overlaps the remaining backward work.  With ``sync="ps"`` (the paper's runtime, for
+  side-by-side figures only) the sync task takes no time and each replicated gradient costs a
+  transfer from every other replica to the first and one back, after the task graph.
+- ``update``: per unit and device, the optimizer update of the trainable shards whose
   parameters the unit uses first (memory bound: (3 + 2 x optimizer copies) x bytes / memory
   bandwidth + one launch per shard), after their syncs (or their last backward when unsynced).
+
+Memory: every op and parameter cluster adds allocation/free events to ``MEMDIFF`` (positions x
+devices; see ``memory.py``); ``memory_peak()`` is the per-device peak.
 
 Same-device producer/consumer pairs are plain dependencies; a backward that nothing flows back
 into follows its own forward.  ``op.everywhere`` ops (graph inputs, constants) have no tasks.
