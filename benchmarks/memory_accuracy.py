@@ -111,14 +111,19 @@ def paper_batch_rows() -> list[dict]:
     return out
 
 
-def write(rows, out: Path, argv, paper=None, rendered=False) -> None:
+def _command(argv) -> str:
+    return " ".join(["python", "benchmarks/memory_accuracy.py"] + list(argv))
+
+
+def write(rows, out: Path, commands: list, paper=None, rendered=False) -> None:
+    """commands: the command lines that made the rows (a rerun of some models last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"argv": argv, "rows": rows, "paper_batch": paper},
+    out.with_suffix(".json").write_text(json.dumps({"commands": commands, "rows": rows, "paper_batch": paper},
                                                    indent=1) + "\n")
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     lines = ["# Peak memory: predicted against MemTracker", "",
-             f"Command: `python benchmarks/memory_accuracy.py {' '.join(argv)}`".replace(" `", "`")
+             "Command: " + ", then ".join(f"`{c}`" for c in commands)
              + (" (this page rewritten from its .json by `--render`)" if rendered else ""),
              "",
              f"torch {torch.__version__}, {os.cpu_count()} CPU cores.  One training step (zero_grad, forward, "
@@ -159,28 +164,37 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small models only, adam only")
     p.add_argument("--out", default="benchmarks/results/memory_accuracy")
+    p.add_argument("--only", nargs="+", choices=ff.models.names(),
+                   help="rerun these models' cases and replace their rows in the existing .json")
     p.add_argument("--render", action="store_true",
                    help="rewrite the .md from the .json's measured rows (predictions at the paper's batch anew)")
     a = p.parse_args(argv)
     if a.render:
         data = json.loads(Path(a.out).with_suffix(".json").read_text())
-        rows = data["rows"] if isinstance(data, dict) else data
-        write(rows, Path(a.out), data.get("argv", []) if isinstance(data, dict) else [], paper_batch_rows(),
-              rendered=True)
+        write(data["rows"], Path(a.out), data["commands"], paper_batch_rows(), rendered=True)
         return 0
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     rows = []
     opts = ["adam"] if a.quick else list(OPTIMIZERS)
-    for name in ff.models.names():
+    names = a.only or ff.models.names()
+    for name in names:
         for o in opts:
             rows.append(case(name, "small", None, 1, o))
-    for name in ff.models.names():
+    for name in names:
         for n in (2, 4):
             rows.append(case(name, "small", None, n, "adam"))
     if not a.quick:
-        for name in ff.models.names():
+        for name in names:
             rows.append(case(name, "paper", PAPER_BATCH[name], 1, "adam"))
-    write(rows, Path(a.out), argv, paper_batch_rows())
+    if a.only:  # merge into the recorded rows, in their order
+        data = json.loads(Path(a.out).with_suffix(".json").read_text())
+        new = {(r["model"], r["size"], r["devices"], r["optimizer"]): r for r in rows}
+        rows = [new.pop((r["model"], r["size"], r["devices"], r["optimizer"]), r) for r in data["rows"]]
+        rows += list(new.values())
+        commands = data["commands"] + [_command(argv)]
+    else:
+        commands = [_command(argv)]
+    write(rows, Path(a.out), commands, paper_batch_rows())
     return 0
 
 

@@ -95,9 +95,13 @@ _SAVES = {
     "mul": _Saves(inputs="all"), "div": _Saves(inputs="all"),
 }
 _OPAQUE = _Saves(inputs="all")
+_NOTHING = _Saves()
+_BINARY = frozenset({"mul", "div"})  # by a scalar they keep nothing
 
 
 def _saves(op) -> _Saves:
+    if op.kind in _BINARY and len(op.inputs) < 2:
+        return _NOTHING
     return _SAVES.get(op.kind, _OPAQUE)
 
 
