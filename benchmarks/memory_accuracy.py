@@ -1,6 +1,6 @@
 """Predicted peak memory of one training step against PyTorch's own MemTracker.
 
-    python benchmarks/memory_accuracy.py [--quick] [--out benchmarks/results/memory_accuracy]
+    python benchmarks/memory_accuracy.py [--quick] [--out PATH] [--only MODEL ...] [--render]
 
 Measured: ``torch.distributed._tools.mem_tracker.MemTracker`` around one training step
 (``zero_grad``, forward, backward, ``optimizer.step``) of the plain module on this CPU, after
@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -163,12 +164,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small models only, adam only")
-    p.add_argument("--out", default="benchmarks/results/memory_accuracy")
+    p.add_argument("--out", default=None, help="path without extension (default: benchmarks/results/"
+                   "memory_accuracy; with --quick a temporary directory)")
     p.add_argument("--only", nargs="+", choices=ff.models.names(),
                    help="rerun these models' cases and replace their rows in the existing .json")
     p.add_argument("--render", action="store_true",
                    help="rewrite the .md from the .json's measured rows (predictions at the paper's batch anew)")
     a = p.parse_args(argv)
+    if a.out is None:
+        a.out = str(Path(tempfile.mkdtemp()) / "memory_accuracy") if a.quick else "benchmarks/results/memory_accuracy"
     if a.render:
         data = json.loads(Path(a.out).with_suffix(".json").read_text())
         write(data["rows"], Path(a.out), data["commands"], paper_batch_rows(), rendered=True)
