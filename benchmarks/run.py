@@ -24,6 +24,7 @@ RESULTS = os.path.join(HERE, "results")
 BENCHMARKS = {
     "profile_accuracy": ("benchmarks/profile_accuracy.py", [], ["--quick"]),
     "sim_speed": ("benchmarks/sim_speed.py", [], ["--quick"]),
+    "memory_accuracy": ("benchmarks/memory_accuracy.py", [], ["--quick"]),
     "sim_accuracy": ("benchmarks/sim_accuracy.py", [], ["--quick"]),
     "executor_overhead": ("benchmarks/executor_overhead.py", [], ["--quick"]),
     "real_speedup": ("benchmarks/real_speedup.py", [], ["--quick"]),

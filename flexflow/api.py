@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from .execute import BUCKET_CAP_MB, Runtime, tensor_of
 from .machine import Machine
+from .memory import optimizer_state_copies
 from .program import check_programs, describe
 from .strategy import Strategy, StrategyError
 from .trace import trace
@@ -202,9 +203,9 @@ def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
     return m.with_devices(n)
 
 
-def _search_strategy(graph, machine, budget: float) -> Strategy:
+def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd") -> Strategy:
     from .search import search  # the module's function (flexflow.search is the function too)
-    return search(graph, machine, budget=budget).strategy
+    return search(graph, machine, budget=budget, optimizer=optimizer).strategy
 
 
 def _trace_clean(module: nn.Module, example_inputs):
@@ -293,7 +294,8 @@ def _broadcast_state(module: nn.Module, device) -> None:
 
 def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strategy=None, budget: float = 30.0,
                 machine: Machine | None = None, timeout_s: float | None = None,
-                bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True) -> ParallelModule:
+                bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True,
+                optimizer: str = "sgd") -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
 
     Collective: every rank of the default process group calls it with the
@@ -305,7 +307,10 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
     broadcasts the result.  ``timeout_s`` (default $FLEXFLOW_TIMEOUT_S or
     300) bounds every wait on a peer.  Rank 0's parameters and buffers are
     copied to every rank first (``broadcast_state``), as DDP does.
+    ``optimizer`` ("sgd", "momentum", "adam"): the optimizer the caller will
+    use, whose state counts in the memory the searched strategy must fit.
     """
+    optimizer_state_copies(optimizer)  # a clear error for an unknown kind, on every rank
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: a batch with the shapes and dtypes of the "
                          "real inputs (they fix every op's shape), e.g. "
@@ -351,7 +356,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
             try:
                 if error is not None:
                     raise RuntimeError(error)
-                found = (_search_strategy(graph, machine, budget) if len(ranks) > 1
+                found = (_search_strategy(graph, machine, budget, optimizer) if len(ranks) > 1
                          else Strategy.data_parallel(graph, machine))
                 payload = [("ok", found.to_json())]
             except Exception as e:  # noqa: BLE001 - every rank must hear about it

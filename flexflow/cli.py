@@ -192,6 +192,21 @@ def _print_sim(label, machine, strategy_name, res, batch):
     print(f"  activations moved {_fmt_bytes(res.comm_bytes):>12}   parameter sync {_fmt_bytes(res.sync_bytes):>12}")
     print(f"  peak memory       {_fmt_bytes(max(res.peak_memory)):>12} (max over devices)"
           f"{'' if res.feasible else '   INFEASIBLE: ' + str(getattr(res, 'message', ''))}")
+    print(f"  memory per device {_memory_per_device(res)}")
+
+
+def _memory_per_device(res) -> str:
+    """Peak memory per device, runs of devices with the same figure merged:
+    ``0-3: 5.2 GB, 4-63: 3.1 GB (of 12.9 GB)``."""
+    shown = [_fmt_bytes(b) for b in res.peak_memory]
+    runs, start = [], 0
+    for d in range(1, len(shown) + 1):
+        if d == len(shown) or shown[d] != shown[start]:
+            runs.append(f"{start}{'' if d - 1 == start else f'-{d - 1}'}: {shown[start]}")
+            start = d
+    caps = sorted(set(res.memory_capacity))
+    cap = _fmt_bytes(caps[0]) if len(caps) == 1 else f"{_fmt_bytes(caps[0])}..{_fmt_bytes(caps[-1])}"
+    return f"{', '.join(runs)} (of {cap})"
 
 
 def cmd_simulate(args) -> int:
@@ -201,7 +216,7 @@ def cmd_simulate(args) -> int:
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
     graph = trace(module, inputs)
     strategy = _strategy_arg(args.strategy, graph, machine)
-    sim = Simulator(graph, machine, _cost_model(machine))
+    sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer)
     res = sim.simulate(strategy, incremental=False)
     if args.trace:
         res.to_chrome_trace(args.trace)
@@ -237,7 +252,7 @@ def cmd_search(args) -> int:
     if args.exhaustive:
         from .search import exhaustive_search
         strategy, res, explored = exhaustive_search(graph, machine, _cost_model(machine),
-                                                    max_states=args.max_states)
+                                                    max_states=args.max_states, optimizer=args.optimizer)
         out = _sim_json(label, machine, "exhaustive", res, graph.batch_size)
         out["explored"] = explored
         if args.out:
@@ -247,7 +262,10 @@ def cmd_search(args) -> int:
         return 0
     result = search(graph, machine, budget=args.budget, seed=args.seed,
                     cost_model=_cost_model(machine), init=init,
-                    progress=None if not args.json else False, **kw)
+                    progress=None if not args.json else False, optimizer=args.optimizer, **kw)
+    if not result.result.feasible:
+        raise CLIError(f"no strategy fits device memory (optimizer {args.optimizer}, "
+                       f"{result.evaluations} strategies tried); the best: {result.result.message}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(result.strategy.to_json())
@@ -303,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--devices", type=int)
         s.add_argument("--batch", type=int)
         s.add_argument("--json", action="store_true")
+        s.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd",
+                       help="whose state counts in the memory per device")
         s.set_defaults(fn=fn)
         if name == "simulate":
             s.add_argument("--strategy", default="data_parallel")

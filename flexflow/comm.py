@@ -11,29 +11,17 @@ import json
 import os
 import statistics
 import tempfile
+import dataclasses
 import time
 from pathlib import Path
+
+from .machine import CPU_MACHINE_FILE, LinkSpec, _cpu_default, cache_dir, cpu_machine_file  # (re-exported)
 
 __all__ = ["cache_dir", "cpu_machine_file", "calibrate_gloo", "write_cpu_machine_file",
            "CPU_MACHINE_FILE", "DEFAULT_SIZES_BYTES"]
 
-CPU_MACHINE_FILE = "machine-cpu.json"
 KiB, MiB = 2**10, 2**20
 DEFAULT_SIZES_BYTES = (4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB, 8 * MiB)
-
-
-def cache_dir() -> Path:
-    """$FLEXFLOW_CACHE_DIR, else $XDG_CACHE_HOME/flexflow, else ~/.cache/flexflow (not created)."""
-    env = os.environ.get("FLEXFLOW_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "flexflow"
-
-
-def cpu_machine_file() -> Path:
-    """Where the calibrated cpu machine lives."""
-    return cache_dir() / CPU_MACHINE_FILE
 
 
 def _median_time(fn, warmup: int, repeats: int) -> float:
@@ -159,8 +147,6 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
 
 def write_cpu_machine_file(figures: dict, path=None) -> Path:
     """Write the cpu machine with the calibrated figures (atomically); returns the path."""
-    import dataclasses
-    from .machine import LinkSpec, Machine, _cpu_default
     base = _cpu_default()
     flops = dict(figures.get("peak_flops") or {})
     if "float32" not in flops:

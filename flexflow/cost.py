@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .ir import Op, dtype_bytes
 from .ops import RULES
 from .ops.base import region_numel
+from .profiledb import ProfileDB
 
 # Gradients are all-reduced in buckets of this size by the executor; the
 # simulator charges all-reduce latency per bucket share accordingly.
@@ -86,7 +87,7 @@ def fit_overhead(db, quantile: float = 0.1) -> tuple[float, float] | None:
 
 def fit_efficiency(db, spec, rules=None, overhead: float | None = None) -> dict[str, float]:
     """Per-rule efficiency fitted to the measured entries of ``db`` (a
-    :class:`flexflow.profile.ProfileDB`, or any iterable of entry dicts with
+    :class:`flexflow.profiledb.ProfileDB`, or any iterable of entry dicts with
     ``rule``, ``dtype``, ``flops`` and ``fwd_s``) for a device ``spec``.
 
     For each rule: the median over its measured entries (with FLOPs > 0) of
@@ -176,7 +177,7 @@ class CostModel:
     """Per-partition execution time on a machine's devices, memoized.
 
     ``profile``: an object with ``lookup(device_kind, key) -> (fwd_s, bwd_s) |
-    None`` (a :class:`flexflow.profile.ProfileDB`); ``efficiency``: rule ->
+    None`` (a :class:`flexflow.profiledb.ProfileDB`); ``efficiency``: rule ->
     fraction of peak overriding ``DEFAULT_EFFICIENCY``; ``overhead``: fixed
     (forward_s, backward_s) per op on the machine's device kind, replacing the
     spec's ``launch_overhead_s`` (see :func:`fit_overhead`); ``fits``: rule ->
@@ -203,7 +204,6 @@ class CostModel:
         estimate fitted to it (per-op overhead :func:`fit_overhead`, per-rule
         efficiencies :func:`fit_efficiency` refined by :func:`fit_rules`);
         without a profile the analytic defaults."""
-        from .profile import ProfileDB
         spec = machine.spec
         db = ProfileDB.for_kind(spec.kind, profile_dir)
         if db is None or not len(db):

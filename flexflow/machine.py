@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-__all__ = ["DeviceSpec", "Device", "Link", "LinkSpec", "Machine", "GPU_SPECS", "NVLINK_BW_BPS"]
+__all__ = ["DeviceSpec", "Device", "Link", "LinkSpec", "Machine", "GPU_SPECS", "NVLINK_BW_BPS", "cache_dir",
+           "cpu_machine_file", "CPU_MACHINE_FILE"]
+
+CPU_MACHINE_FILE = "machine-cpu.json"  # the calibrated cpu preset, in cache_dir() (comm.py writes it)
 
 GiB = 2**30
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -103,6 +106,21 @@ def _cpu_total() -> int:
     return min(max(os.cpu_count() or 1, 4), 64)
 
 
+def cache_dir() -> Path:
+    """$FLEXFLOW_CACHE_DIR, else $XDG_CACHE_HOME/flexflow, else ~/.cache/flexflow (not created)."""
+    env = os.environ.get("FLEXFLOW_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "flexflow"
+
+
+def cpu_machine_file() -> Path:
+    """Where the calibrated cpu machine lives."""
+    return cache_dir() / CPU_MACHINE_FILE
+
+
+
 def _cpu_default() -> "Machine":
     """The uncalibrated cpu preset. Modest per-process figures for one core (one thread):
     ~50 GFLOP/s fp32 matmul (AVX2 FMA), ~10 GB/s copy bandwidth; ~10 us per eager op.
@@ -118,7 +136,6 @@ def _cpu_default() -> "Machine":
 
 def _calibrate_once() -> None:
     """Calibrate the cpu machine into the cache unless a calibrated file is there."""
-    from .comm import cpu_machine_file
     path = cpu_machine_file()
     if path.exists():
         return
@@ -134,7 +151,6 @@ def _calibrate_once() -> None:
 
 def _cpu_preset() -> "Machine":
     """The cpu preset, taken from the calibrated machine file when one exists (see comm.py)."""
-    from .comm import cpu_machine_file
     path = cpu_machine_file()
     if path.exists():
         try:

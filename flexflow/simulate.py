@@ -16,13 +16,9 @@ ready time < t* is dequeued identically now, so the scheduler restarts at t*: ea
 free when its last such task finished, and the remaining tasks are re-counted.  The result is
 the one a full simulation gives, bit for bit (integer times, canonical tie-breaking).
 
-Memory model, per device, without liveness inside the iteration (everything a step keeps is
-counted at its peak, the turn from forward to backward):
-- parameters and buffers of every shard the device holds, plus for trainable ones a gradient
-  and ``optimizer_copies`` optimizer-state copies (SGD with momentum: 1);
-- activations kept for backward: the output of every partition it computes, the input regions
-  it receives by transfer, and the regions of graph inputs it reads;
-- a working buffer for the backward: the largest output among its partitions (its gradient).
+Memory (``peak_memory``): per device, the peak over one training step by liveness -- parameters,
+buffers and optimizer state, gradients from the backward that makes them, activations from
+their forward to their last use in the backward, communication buffers (see ``memory.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +30,9 @@ from heapq import heappop, heappush
 from typing import Callable
 
 from .cost import CostModel
-from .taskgraph import KEY_SHIFT, KIND_NAMES, PS, TID_BITS, TID_MASK, Context, TaskGraph, decode_prio
+from .memory import optimizer_state_copies
+from .taskgraph import (KEY_SHIFT, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, Context, TaskGraph,
+                        decode_prio)
 
 __all__ = ["Simulator", "SimResult"]
 
@@ -92,20 +90,27 @@ class Simulator:
 
     ``simulate(strategy, incremental=True)`` reuses the previous call's task graph and
     timeline (delta simulation); ``incremental=False`` simulates from scratch.  Both return
-    the same :class:`SimResult`.  ``optimizer_copies``: optimizer state per trainable
-    parameter in parameter sizes (SGD with momentum: 1, Adam: 2)."""
+    the same :class:`SimResult`.  ``optimizer``: "sgd", "momentum" or "adam", the optimizer
+    whose state and step temporaries count in ``peak_memory``.  ``sync``: "ring" (bucketed
+    ring all-reduce overlapping the backward, as the executor and DDP sync) or "ps" (the
+    paper's runtime: gradients gathered to one replica and sent back, added after the task
+    graph with no overlap -- only to put the paper's figures side by side)."""
 
-    def __init__(self, graph, machine, cost_model: CostModel | None = None, optimizer_copies: int = 1,
-                 max_delta_fraction: float = 0.25):
+    def __init__(self, graph, machine, cost_model: CostModel | None = None, *, optimizer: str = "sgd",
+                 sync: str = "ring", max_delta_fraction: float = 0.25):
         self.graph, self.machine = graph, machine
         self.cost_model = cost_model or CostModel(machine)
         self._fingerprint = machine.fingerprint()
         # simulators sharing a cost model (and graph, machine) share the per-config caches
         shared = self.cost_model.__dict__.setdefault("_simulator_contexts", {})
-        key = (id(graph), self._fingerprint, optimizer_copies)
+        optimizer_state_copies(optimizer)  # a clear error for an unknown optimizer
+        if sync not in SYNC_MODELS:
+            raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
+        self.optimizer, self.sync = optimizer, sync
+        key = (id(graph), self._fingerprint, optimizer, sync)
         ctx = shared.get(key)
         if ctx is None or ctx.graph is not graph:
-            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer_copies)
+            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer, sync)
         self.ctx = ctx
         self.max_delta_fraction = max_delta_fraction
         self._tg: TaskGraph | None = None
@@ -184,7 +189,8 @@ class Simulator:
         ctx = self.ctx
         D = ctx.D
         end = max(self._sched.free) if self._sched.free else 0
-        mem = tg.OPMEM.sum(0) + tg.OPWORK.max(0) + tg.CLMEM.sum(0)
+        end += int(tg.CLPS.sum())  # sync="ps": the parameter server's time, after the graph
+        mem = tg.memory_peak()
         busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
         busy[:D] += tg.UBUSY.sum(0)
         peak = [int(x) for x in mem]

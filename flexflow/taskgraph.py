@@ -15,10 +15,15 @@ Tasks (the paper's task graph, section 5):
 - ``sync``: per trainable parameter shard (``param_placement``) held by more than one device, a
   ring all-reduce among exactly its devices once every backward using it on them is done; it
   holds the ring's links (``machine.allreduce_links``) for ``machine.allreduce_time_s`` and
-  overlaps the remaining backward work.
-- ``update``: per unit and device, the SGD-with-momentum update of the trainable shards whose
+  overlaps the remaining backward work.  With ``sync="ps"`` (the paper's runtime, for
+  side-by-side figures only) the sync task takes no time and each replicated gradient costs a
+  transfer from every other replica to the first and one back, after the task graph.
+- ``update``: per unit and device, the optimizer update of the trainable shards whose
   parameters the unit uses first (memory bound: (3 + 2 x optimizer copies) x bytes / memory
   bandwidth + one launch per shard), after their syncs (or their last backward when unsynced).
+
+Memory: every op and parameter cluster adds allocation/free events to ``MEMDIFF`` (positions x
+devices; see ``memory.py``); ``memory_peak()`` is the per-device peak.
 
 Same-device producer/consumer pairs are plain dependencies; a backward that nothing flows back
 into follows its own forward.  ``op.everywhere`` ops (graph inputs, constants) have no tasks.
@@ -40,10 +45,16 @@ import numpy as np
 
 from .cost import GRAD_BUCKET_BYTES
 from .ir import dtype_bytes
+from .memory import Liveness, optimizer_state_copies
 from .ops.base import region_numel
 from .strategy import overlap, param_placement, partitions, pick_replica, validate_config
 
-__all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "decode_prio"]
+__all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
+
+# "ring": bucketed ring all-reduce overlapping the backward (what the executor and DDP do);
+# "ps": the paper's runtime -- gradients gathered to one replica, updated, sent back, after
+# the task graph with no overlap (only to set the paper's figures side by side)
+SYNC_MODELS = ("ring", "ps")
 
 PS = 10**12  # picoseconds per second
 F, B, XF, XB, SYNC, UPD = range(6)
@@ -84,7 +95,7 @@ class _SubGraph:
 
 class _Tmpl:
     """One op under one config: devices and times of its partitions, memory and busy rows."""
-    __slots__ = ("devs", "devk", "fwd", "bwd", "mem", "work", "busy")
+    __slots__ = ("devs", "devk", "fwd", "bwd", "busy")
 
 
 class _EdgePlan:
@@ -94,7 +105,7 @@ class _EdgePlan:
 
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
-    __slots__ = ("syncs", "upd", "mem", "busy", "sync_bytes", "cols")
+    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols")
 
 
 class Context:
@@ -103,9 +114,12 @@ class Context:
     Caches: op templates per (op, config), transfer plans per (input edge, producer config,
     consumer config), parameter plans per (cluster, users' configs).  They only grow."""
 
-    def __init__(self, graph, machine, cost_model, optimizer_copies: int = 1):
+    def __init__(self, graph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
         self.graph, self.machine, self.cost = graph, machine, cost_model
-        self.optimizer_copies = optimizer_copies
+        if sync not in SYNC_MODELS:
+            raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
+        self.optimizer, self.sync = optimizer, sync
+        self.optimizer_copies = optimizer_state_copies(optimizer)
         ops = self.ops = graph.ops
         n = len(ops)
         if n >= 1 << _AB:
@@ -171,6 +185,7 @@ class Context:
         self._cluster: dict = {}
         self._route: dict = {}
         self._xfer: dict = {}
+        self.live = Liveness(self, optimizer)  # memory by liveness (memory.py)
 
     # ---- cached plans ---------------------------------------------------------------------
     def template(self, o: int, cfg) -> _Tmpl:
@@ -185,25 +200,13 @@ class Context:
         t.devs = [p.device for p in parts]
         t.devk = {p.device: k for k, p in enumerate(parts)}
         t.fwd, t.bwd = [], []
-        t.mem = np.zeros(D, np.int64)
-        t.work = np.zeros(D, np.int64)
         t.busy = np.zeros(self.R, np.int64)
-        bpe = dtype_bytes(op.dtype)
         for p in parts:
             f, b = self.cost.op_time(op, p, p.device)
             f, b = _ps(f), _ps(b)
             t.fwd.append(f)
             t.bwd.append(b)
-            d = p.device
-            ob = region_numel(p.output) * bpe
-            mem = ob
-            for j, reg in enumerate(p.inputs):  # graph inputs read on this device
-                u = self.inputs[o][j]
-                if reg is not None and self.everywhere[u]:
-                    mem += region_numel(reg) * dtype_bytes(self.ops[u].dtype)
-            t.mem[d] += mem
-            t.work[d] = max(t.work[d], ob)
-            t.busy[d] += f + b
+            t.busy[p.device] += f + b
         self._tmpl[key] = t
         return t
 
@@ -336,6 +339,12 @@ class Context:
         self._edge[key] = e
         return e
 
+    def ps_sync_ps(self, devices, nbytes: int) -> int:
+        """Parameter-server sync of one gradient among ``devices``: every other replica sends
+        it to the first, which sends the updated values back, one transfer after another."""
+        root, rest = devices[0], devices[1:]
+        return sum(self.transfer_ps(d, root, nbytes) + self.transfer_ps(root, d, nbytes) for d in rest)
+
     def cluster_plan(self, c: int, cfg: list) -> _ClusterPlan:
         """Parameter plan of cluster c; ``cfg``: op index -> config."""
         us, pidx = self.clusters[c]
@@ -350,9 +359,13 @@ class Context:
         devs = [(o, self.template(o, cfg[o]).devs) for o in us]
         cp = _ClusterPlan()
         cp.syncs, cp.upd = [], {}
-        cp.mem = np.zeros(D, np.int64)
+        cp.mem = np.zeros(D, np.int64)       # values (parameters, buffers) + optimizer state
+        cp.grad = np.zeros(D, np.int64)      # parameter gradients
+        cp.synced = np.zeros(D, np.int64)    # gradients all-reduced (the bucket buffer)
+        cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
         cp.busy = np.zeros(self.R, np.int64)
         cp.sync_bytes = 0
+        cp.ps_ps = 0  # parameter-server sync time added after the task graph (sync="ps")
         upd_s: dict[int, float] = {}
         upd_syncs: dict[int, list[int]] = {}
         upd_bdep: set[int] = set()
@@ -371,7 +384,11 @@ class Context:
                     g[0] += nb
         group_sync: dict[tuple, int] = {}
         for devices, (nb, (pi, si)) in groups.items():
-            dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
+            if self.sync == "ps":
+                cp.ps_ps += self.ps_sync_ps(devices, nb)
+                dur = 1  # the sync task only orders the updates; its time comes after the graph
+            else:
+                dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
             links = tuple(D + l for l in m.allreduce_links(devices))
             r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
             group_sync[devices] = len(cp.syncs)
@@ -382,13 +399,16 @@ class Context:
             for r in links:
                 cp.busy[r] += dur
         for pi, si, sh, nb, trainable in shard_list:
-            copies = 1 + ((1 + oc) if trainable else 0)  # value, gradient, optimizer state
             for d in sh.devices:
-                cp.mem[d] += nb * copies
+                cp.mem[d] += nb * (1 + (oc if trainable else 0))  # value, optimizer state
             if not trainable or nb <= 0:
                 continue
             sync = group_sync.get(tuple(sh.devices), -1)
             for d in sh.devices:
+                cp.grad[d] += nb
+                cp.maxshard[d] = max(cp.maxshard[d], nb)
+                if sync >= 0:
+                    cp.synced[d] += nb
                 s = m.devices[d].spec
                 upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * nb / s.mem_bw_Bps + s.launch_overhead_s
                 if sync < 0:
@@ -444,14 +464,18 @@ class TaskGraph:
         self.CPLAN = [None] * nc
         self.UPDT = [None] * n     # head -> {device: tid}
         D, R = ctx.D, ctx.R
-        self.OPMEM = np.zeros((n, D), np.int64)
-        self.OPWORK = np.zeros((n, D), np.int64)
         self.OPBUSY = np.zeros((n, R), np.int64)
         self.OPCOMM = np.zeros(n, np.int64)
         self.UBUSY = np.zeros((n, D), np.int64)  # update tasks, per unit head
-        self.CLMEM = np.zeros((nc, D), np.int64)
+        self.CLMAXSH = np.zeros((nc, D), np.int64)  # largest trainable shard per cluster
+        self.CLTRAIN = np.zeros((nc, D), np.int64)  # trainable bytes per cluster
+        # memory by liveness: allocations (+) and frees (-) per position and device
+        self.MEMDIFF = np.zeros((ctx.live.npos, D), np.int64)
+        self.MEV = [None] * n      # op -> its memory events (positions, rows)
+        self.CEV = [None] * nc     # cluster -> its memory events
         self.CLBUSY = np.zeros((nc, R), np.int64)
         self.CLSYNC = np.zeros(nc, np.int64)
+        self.CLPS = np.zeros(nc, np.int64)  # parameter-server sync picoseconds (sync="ps")
         self.strategy = strategy
         comp = ctx.compute
         ops = ctx.ops
@@ -471,9 +495,11 @@ class TaskGraph:
             self._make_syncs(c, False)
         if nc:
             cps = self.CPLAN
-            self.CLMEM[:] = np.stack([cp.mem for cp in cps])
+            self.CLMAXSH[:] = np.stack([cp.maxshard for cp in cps])
+            self.CLTRAIN[:] = np.stack([cp.grad for cp in cps])
             self.CLBUSY[:] = np.stack([cp.busy for cp in cps])
             self.CLSYNC[:] = [cp.sync_bytes for cp in cps]
+            self.CLPS[:] = [cp.ps_ps for cp in cps]
         for h in heads:
             self._make_updates(h, False)
         nt = len(self.DUR)
@@ -499,10 +525,17 @@ class TaskGraph:
         self.SUCC = [tuple(x) for x in succ]
         if comp:
             rows = [self._row(o) for o in comp]
-            self.OPMEM[comp] = np.stack([r[0] for r in rows])
-            self.OPWORK[comp] = np.stack([r[1] for r in rows])
-            self.OPBUSY[comp] = np.stack([r[2] for r in rows])
-            self.OPCOMM[comp] = [r[3] for r in rows]
+            self.OPBUSY[comp] = np.stack([r[0] for r in rows])
+            self.OPCOMM[comp] = [r[1] for r in rows]
+        live, cfg = ctx.live, self.cfg
+        evs = [live.op_events(o, cfg) for o in comp]
+        evs += [live.cluster_events(c, self.CPLAN[c]) for c in range(nc)]
+        for o, ev in zip(comp, evs):
+            self.MEV[o] = ev
+        for c in range(nc):
+            self.CEV[c] = evs[len(comp) + c]
+        if evs:
+            np.add.at(self.MEMDIFF, np.concatenate([e[0] for e in evs]), np.concatenate([e[1] for e in evs]))
         self._born.clear()
 
     # ---- task allocation ------------------------------------------------------------------
@@ -685,9 +718,12 @@ class TaskGraph:
                 PRED[t] = tuple(pred)
         self.SYNCT[c] = st
         if link:  # (a full build fills these rows in one go)
-            self.CLMEM[c] = cp.mem
+            self.CLMAXSH[c] = cp.maxshard
+            self.CLTRAIN[c] = cp.grad
+            self._set_events(self.CEV, c, self.ctx.live.cluster_events(c, cp))
             self.CLBUSY[c] = cp.busy
             self.CLSYNC[c] = cp.sync_bytes
+            self.CLPS[c] = cp.ps_ps
 
     def _make_updates(self, h: int, link: bool) -> None:
         """One update task per device for the clusters first used by the unit's ops."""
@@ -740,18 +776,38 @@ class TaskGraph:
         return preds
 
     def _row(self, o: int):
-        """(memory, working buffer, busy, comm bytes) rows of op o."""
+        """(busy, comm bytes) rows of op o."""
         t = self.tmpl[o]
-        mem, busy, comm = t.mem, t.busy, 0
+        busy, comm = t.busy, 0
         for e in self.EPLAN[o]:
             if e is not None and e.comm:
-                mem = mem + e.recv
                 busy = busy + e.busy
                 comm += e.comm
-        return mem, t.work, busy, comm
+        return busy, comm
 
     def _rows(self, o: int) -> None:
-        self.OPMEM[o], self.OPWORK[o], self.OPBUSY[o], self.OPCOMM[o] = self._row(o)
+        self.OPBUSY[o], self.OPCOMM[o] = self._row(o)
+
+    def _set_events(self, store: list, i: int, ev) -> None:
+        """Replace the memory events of op / cluster i (a delta patch)."""
+        old = store[i]
+        if old is ev:
+            return
+        diff = self.MEMDIFF
+        if old is not None and len(old[0]):
+            np.subtract.at(diff, old[0], old[1])
+        if len(ev[0]):
+            np.add.at(diff, ev[0], ev[1])
+        store[i] = ev
+
+    def memory_peak(self):
+        """Per-device peak bytes of the step (memory.py): the largest live sum over the
+        forward and backward positions, and the update with the optimizer's temporaries."""
+        live = self.ctx.live
+        cum = np.cumsum(self.MEMDIFF, axis=0)
+        u = live.update_pos
+        peak = cum[:u].max(0) if u else np.zeros(self.ctx.D, np.int64)
+        return np.maximum(peak, cum[u] + live.update_temp(self.CLMAXSH, self.CLTRAIN))
 
     # ---- delta ----------------------------------------------------------------------------
     def changed_groups(self, strategy) -> list[int]:
@@ -856,6 +912,10 @@ class TaskGraph:
         self._flush()
         for o in r_set.union(o for o, _ in edges):
             self._rows(o)
+        live, cfg = ctx.live, self.cfg
+        for o in sorted({x for v in co for x in live.dependents[v]}):
+            if not ctx.everywhere[o]:
+                self._set_events(self.MEV, o, live.op_events(o, cfg))
         return list(self._dead), dirty, list(self._born)
 
     def validate(self) -> None:

@@ -62,3 +62,24 @@ def test_errors_are_one_line(capsys, argv, needle):
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "flexflow.cli", "models"], capture_output=True, text=True)
     assert r.returncode == 0 and "transformer" in r.stdout
+
+
+def _machine_file(tmp_path, memory_bytes):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({
+        "name": "tiny", "nodes": 1, "devices_per_node": 2,
+        "device": {"kind": "P100", "peak_flops": {"float32": 1.06e13}, "mem_bw_Bps": 7.3e11,
+                   "memory_bytes": memory_bytes},
+        "intra_node": {"bandwidth_Bps": 2e10, "latency_s": 5e-6, "kind": "nvlink"}}))
+    return str(f)
+
+
+def test_search_prints_memory_per_device_and_refuses_when_nothing_fits(tmp_path, capsys):
+    argv = ("search", "lenet", "--batch", "16", "--evaluations", "30", "--optimizer", "adam")
+    code, out, _ = run(capsys, *argv, "--machine", _machine_file(tmp_path, 16 * 2**30))
+    assert code == 0 and "memory per device 0" in out and "(of 17.2 GB)" in out
+    out_file = tmp_path / "s.json"
+    code, out, err = run(capsys, *argv, "--machine", _machine_file(tmp_path, 2**20), "--out", str(out_file))
+    assert code == 2 and "no strategy fits device memory (optimizer adam" in err
+    assert "out of memory on device" in err and len(err.strip().splitlines()) == 1
+    assert not out_file.exists()

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import flexflow as ff
 from flexflow import profile as prof
+from flexflow import profiledb
 from flexflow.cost import CostModel, fit_efficiency, fit_rules, partition_flops
 from flexflow.localrun import whole_config
 from flexflow.profile import ProfileDB, device_kind_of, device_name, key_str, profile_graph
@@ -294,7 +295,7 @@ def test_package_profile_is_a_read_only_fallback(tmp_path, monkeypatch):
     g = _small("lenet")
     fc = g.op("fc1")
     key = CostModel(None).key(fc, _whole(fc))
-    monkeypatch.setattr(prof, "_PKG_DATA", tmp_path / "data")
+    monkeypatch.setattr(profiledb, "_PKG_DATA", tmp_path / "data")
     pkg = prof.package_profile_path("H200")
     db = ProfileDB("cuda-NVIDIA_H200", "H200", pkg)
     db.record(key, 3e-6, 6e-6, {"rule": "linear", "dtype": "float32", "flops": 2e5})
@@ -310,7 +311,7 @@ def test_package_profile_is_a_read_only_fallback(tmp_path, monkeypatch):
 def test_device_kinds():
     assert device_kind_of("cpu") == "cpu" == ff.Machine.preset("cpu").spec.kind
     assert device_name("cpu").startswith("cpu-") and device_name("cpu").endswith(f"-{torch.get_num_threads()}t")
-    assert prof._gpu_kind("NVIDIA H200") == "H200" and prof._kind_from_name("cuda-NVIDIA_H200") == "H200"
+    assert profiledb._gpu_kind("NVIDIA H200") == "H200" and profiledb._kind_from_name("cuda-NVIDIA_H200") == "H200"
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device here"):
             device_kind_of("cuda")

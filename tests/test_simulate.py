@@ -5,6 +5,7 @@ import math
 import random
 
 import pytest
+import torch
 
 import flexflow as ff
 from flexflow.cost import CostModel
@@ -36,7 +37,7 @@ def p100_16():
     return Machine.preset("p100-cluster", devices=16)
 
 
-def _update_s(machine, nbytes, copies=1):
+def _update_s(machine, nbytes, copies=0):  # default optimizer: sgd
     s = machine.devices[0].spec
     return (3 + 2 * copies) * nbytes / s.mem_bw_Bps + s.launch_overhead_s
 
@@ -116,30 +117,67 @@ def test_overfull_strategy_is_infeasible_and_names_the_device():
     assert all(c == 16 * 2**30 for c in r.memory_capacity)
 
 
-def test_memory_counts_parameters_gradients_and_optimizer_state(lenet):
+def test_memory_counts_optimizer_state_by_kind(lenet):
     m = Machine.preset("p100-cluster", devices=1)
     s = Strategy.data_parallel(lenet, m)
-    r1 = Simulator(lenet, m, optimizer_copies=1).simulate(s).peak_memory[0]
-    r2 = Simulator(lenet, m, optimizer_copies=2).simulate(s).peak_memory[0]
-    assert r2 - r1 == lenet.param_bytes
-    acts = sum(op.output_bytes for op in lenet.compute_ops)
-    assert r1 >= 3 * lenet.param_bytes + acts
+    peak = {k: Simulator(lenet, m, optimizer=k).simulate(s).peak_memory[0] for k in ("sgd", "momentum", "adam")}
+    assert peak["momentum"] - peak["sgd"] == lenet.param_bytes  # one state copy, at every position
+    assert peak["adam"] - peak["momentum"] >= lenet.param_bytes
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        Simulator(lenet, m, optimizer="rmsprop")
 
 
-def _walk(g, machine, steps, seed, check_every=1, validate_every=0):
+def test_memory_frees_activations_by_liveness(inception):
+    """Activations are freed at their last use: the peak is well below keeping every output,
+    and above what the step holds at its end (parameters, gradients, state)."""
+    m = Machine.preset("p100-cluster", devices=1)
+    r = Simulator(inception, m, optimizer="adam").simulate(Strategy.data_parallel(inception, m))
+    acts = sum(op.output_bytes for op in inception.compute_ops)
+    assert 4 * inception.param_bytes < r.peak_memory[0] < 4 * inception.param_bytes + acts
+
+
+def _measured_peak(name, optimizer):
+    """MemTracker's peak of one training step of the small zoo model on this CPU."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    module, inputs = ff.models.get(name, size="small")
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+            "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}[optimizer]
+    opt = make(module.parameters())
+
+    def step(xs):
+        opt.zero_grad()
+        module(*xs).backward()
+        opt.step()
+    step(inputs)  # the optimizer state exists from here on
+    mt = MemTracker()
+    mt.track_external(module, opt)
+    with mt:
+        step([x.clone() for x in inputs])  # the batch counts, as on a device
+    return ff.trace(module, inputs), mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.parametrize("name,optimizer", [("lenet", "adam"), ("nmt", "sgd"), ("transformer", "adam")])
+def test_peak_memory_matches_memtracker(name, optimizer):
+    g, measured = _measured_peak(name, optimizer)
+    m = Machine.preset("cpu", devices=1)
+    pred = Simulator(g, m, optimizer=optimizer).simulate(Strategy.data_parallel(g, m)).peak_memory[0]
+    assert abs(pred - measured) <= 0.1 * measured, (pred, measured)
+
+
+def _walk(g, machine, steps, seed, check_every=1, validate_every=0, **options):
     """Random single-op changes, kept when within 2% of the best time seen (as a search
     would; the others are dropped, so the next call differs in two ops), back to data
     parallelism every 100 steps (a new chain); delta vs full at every step."""
     gc.disable()  # the walk keeps many task graphs and plans alive: collections are slow
     try:
-        return _walk_inner(g, machine, steps, seed, check_every, validate_every)
+        return _walk_inner(g, machine, steps, seed, check_every, validate_every, options)
     finally:
         gc.enable()
 
 
-def _walk_inner(g, machine, steps, seed, check_every, validate_every):
+def _walk_inner(g, machine, steps, seed, check_every, validate_every, options):
     cm = CostModel(machine)
-    delta, full = Simulator(g, machine, cm), Simulator(g, machine, cm)
+    delta, full = Simulator(g, machine, cm, **options), Simulator(g, machine, cm, **options)
     rng = random.Random(seed)
     reps = [members[0] for members in g.groups.values()]
     cur = Strategy.data_parallel(g, machine)
@@ -171,6 +209,34 @@ def test_delta_equals_full_on_1000_random_changes(inception, p100_16):
 def test_delta_equals_full_with_shared_parameters_and_validates(nmt_small, lenet):
     _walk(nmt_small, Machine.preset("p100-cluster", devices=8), 150, seed=2, validate_every=10)
     _walk(lenet, Machine.preset("k80-cluster", devices=8), 150, seed=3, validate_every=10)
+
+
+def test_delta_equals_full_with_parameter_server_sync_and_adam(nmt_small, lenet):
+    _walk(nmt_small, Machine.preset("k80-cluster", devices=8), 80, seed=4, sync="ps", optimizer="adam")
+    _walk(lenet, Machine.preset("p100-cluster", devices=4), 80, seed=5, sync="ps", optimizer="momentum")
+
+
+def test_parameter_server_sync_comes_after_the_task_graph(lenet):
+    """sync="ps": every replica but the first sends each gradient to the first and gets the
+    values back, one transfer after another, after the rest of the step; nothing to sync,
+    nothing added."""
+    from flexflow.taskgraph import PS
+    m = Machine.preset("k80-cluster", devices=4)
+    sim = Simulator(lenet, m, sync="ps")
+    r = sim.simulate(Strategy.data_parallel(lenet, m), incremental=False)
+    graph_end = max(sim._sched.free)
+    extra = 0
+    for op in lenet.compute_ops:
+        nb = sum(math.prod(s) * 4 for s in op.param_shapes.values())
+        if nb:
+            extra += sum(sim.ctx.transfer_ps(d, 0, nb) + sim.ctx.transfer_ps(0, d, nb) for d in (1, 2, 3))
+    assert round(r.iteration_time * PS) == graph_end + extra
+    ring = Simulator(lenet, m).simulate(Strategy.data_parallel(lenet, m))
+    assert r.sync_bytes == ring.sync_bytes and r.iteration_time > ring.iteration_time
+    mp = Strategy.model_parallel(lenet, m)  # every op on one device: no replicas
+    assert Simulator(lenet, m, sync="ps").simulate(mp) == Simulator(lenet, m).simulate(mp)
+    with pytest.raises(ValueError, match="unknown sync model 'tree'"):
+        Simulator(lenet, m, sync="tree")
 
 
 def test_incremental_with_many_changes_and_repeats(inception, p100_16):

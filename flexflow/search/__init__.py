@@ -1,0 +1,32 @@
+"""Strategy search: Metropolis-Hastings MCMC over SOAP strategies, scored by
+the simulator (section 5 of the paper), the baselines it is compared with,
+and the optimality checks of section 8.
+
+    result = search(graph, machine, budget=30.0)     # or evaluations=N
+    result.strategy.to_json()
+
+- :func:`search` runs several chains (data parallel, expert, OptCNN and
+  random starts, plus ``init``) round-robin, one :class:`Simulator` per chain
+  so that each proposal (one share group's config changed) is a delta
+  simulation; then a local descent ("polish") from the best strategy found.
+- :func:`baseline_strategies` / :func:`optcnn`: data parallel, model
+  parallel, expert and OptCNN's layer-wise dynamic programming.
+- :func:`exhaustive_search` (branch and bound) and :func:`is_local_optimum`
+  check the search on small cases.
+
+Costs: the simulated iteration time; a strategy that does not fit device
+memory costs its time plus a penalty (see :func:`_penalised`), and the best
+*feasible* strategy always wins over any infeasible one.  When nothing fits,
+the result is still no slower than any baseline.
+
+Modules: ``common`` (space, costs, result, budget), ``mcmc`` (:func:`search`,
+:func:`is_local_optimum`), ``baselines``, ``optcnn``, ``exhaustive``.
+"""
+from .baselines import baseline_strategies
+from .common import BASELINES, SearchError, SearchResult, _Space
+from .exhaustive import _Bound, exhaustive_search
+from .mcmc import is_local_optimum, search
+from .optcnn import _OptCNN, optcnn, optcnn_cost
+
+__all__ = ["search", "SearchResult", "SearchError", "baseline_strategies", "optcnn", "optcnn_cost",
+           "exhaustive_search", "is_local_optimum", "BASELINES"]

@@ -1,0 +1,189 @@
+"""What every search shares: the space of configs per share group, the cost of a
+simulated result (time plus a memory penalty), the search result and the budget."""
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..ir import Op, OpGraph
+from ..strategy import ParallelConfig, Strategy, candidate_configs
+
+__all__ = ["SearchError", "SearchResult", "BASELINES"]
+
+BASELINES = ("data_parallel", "model_parallel", "expert", "optcnn")
+Candidates = Callable[[Op, object], Sequence[ParallelConfig]]
+_REL = 1e-12  # relative tolerance: smaller differences are float noise, not improvements
+
+
+class SearchError(ValueError):
+    """The search cannot run on this graph/machine (no candidate config, bad init, ...)."""
+
+
+def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
+    from ..simulate import Simulator  # imported late: simulate imports nothing from here
+    return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync)
+
+
+# --------------------------------------------------------------------------- space & costs
+class _Space:
+    """The search space: one variable per share group (its first member is the
+    representative passed to Strategy.replace), each with its candidate configs."""
+
+    def __init__(self, graph: OpGraph, machine, candidates: Candidates | None = None):
+        fn = candidates or candidate_configs
+        self.graph, self.machine = graph, machine
+        self.keys = list(graph.groups)
+        self.reps = [graph.groups[k][0] for k in self.keys]
+        self.cands: list[list[ParallelConfig]] = []
+        for rep in self.reps:
+            cs = list(dict.fromkeys(fn(graph.op(rep), machine)))
+            if not cs:
+                raise SearchError(f"no candidate config for {graph.op(rep).describe()}")
+            self.cands.append(cs)
+        self.index = [{c: j for j, c in enumerate(cs)} for cs in self.cands]
+        self.movable = [i for i, cs in enumerate(self.cands) if len(cs) > 1]
+
+    def contains(self, strategy: Strategy) -> bool:
+        return all(strategy[r] in ix for r, ix in zip(self.reps, self.index))
+
+    def random(self, seed: int, name: str) -> Strategy:
+        rng = random.Random(seed)
+        configs = {r: rng.choice(cs) for r, cs in zip(self.reps, self.cands)}
+        return Strategy(self.graph, configs, self.machine, name=name)
+
+
+def _overflow(res, machine) -> float:
+    """Largest relative excess of peak memory over capacity (0 when it fits)."""
+    worst = 0.0
+    for d, used in enumerate(res.peak_memory or ()):
+        cap = machine.devices[d].spec.memory_bytes
+        worst = max(worst, (used - cap) / cap)
+    return worst
+
+
+def _penalised(res, machine, scale_s: float) -> float:
+    """The cost MCMC minimises: iteration time, plus for a strategy that does not
+    fit memory ``scale_s * (1 + 10 * overflow)`` (overflow = worst device's excess
+    over its capacity, relative): leaving feasibility is never worth it, and
+    among infeasible strategies the chain is pulled towards less memory."""
+    if res.feasible:
+        return res.iteration_time
+    return res.iteration_time + scale_s * (1.0 + 10.0 * max(_overflow(res, machine), 0.0))
+
+
+def _better(a: tuple, b: tuple | None) -> bool:
+    """a, b: (infeasible, cost) keys.  Feasible beats infeasible; then lower cost."""
+    if b is None:
+        return True
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    return a[1] < b[1] * (1.0 - _REL)
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class SearchResult:
+    """What :func:`search` returns.  ``strategy`` is never worse than any baseline
+    and never infeasible when a feasible strategy was seen."""
+
+    strategy: Strategy
+    result: object  # SimResult of strategy
+    baselines: dict  # name -> SimResult (data_parallel, model_parallel, expert, optcnn)
+    evaluations: int  # simulations run by the search (chains, proposals, polish)
+    seconds: float  # wall time of the whole call, baselines included
+    baseline_strategies: dict = field(default_factory=dict)  # name -> Strategy
+    history: list = field(default_factory=list)  # (evaluations, seconds, best iteration time) at each improvement
+    accept_rate: float = 0.0  # accepted / proposed MCMC moves
+    beta: float = 0.0  # 1/s: p(S) ~ exp(-beta * cost(S))
+    chains: list = field(default_factory=list)  # start strategy name of each chain
+    source: str = "search"  # "search", or the baseline returned because the search did not beat it
+    local_optimum: bool = False  # the polish ended with no single-group change improving it
+    baseline_seconds: float = 0.0  # of ``seconds``: building and simulating the baselines
+
+    @property
+    def speedup(self) -> float:
+        """Iteration-time speedup over data parallelism."""
+        return self.baselines["data_parallel"].iteration_time / self.result.iteration_time
+
+    def to_dict(self) -> dict:
+        """The search part of ``flexflow search --json``: the best strategy's figures,
+        the baselines', search seconds and evaluations (the CLI adds model, machine,
+        devices, strategy and throughput)."""
+        r = self.result
+        return {"iteration_time_ms": r.iteration_time * 1e3, "comm_bytes": r.comm_bytes,
+                "sync_bytes": r.sync_bytes, "peak_memory_bytes": list(r.peak_memory),
+                "baselines": {k: {"iteration_time_ms": b.iteration_time * 1e3, "comm_bytes": b.comm_bytes,
+                                  "sync_bytes": b.sync_bytes} for k, b in self.baselines.items()},
+                "search_seconds": self.seconds, "evaluations": self.evaluations}
+
+    def summary(self) -> str:
+        lines = [f"best: {self.result.iteration_time * 1e3:.3f} ms/iteration ({self.source}), "
+                 f"{self.evaluations} evaluations in {self.seconds:.1f} s"]
+        for k, r in self.baselines.items():
+            tag = "" if r.feasible else " (out of memory)"
+            lines.append(f"  {k:>15}: {r.iteration_time * 1e3:.3f} ms{tag}")
+        return "\n".join(lines)
+
+
+class _Run:
+    """Budget, evaluation count, best-so-far and progress display of one search."""
+
+    def __init__(self, machine, budget_s, evaluations, t0, progress, scale_s):
+        self.machine, self.budget_s, self.max_evals, self.t0 = machine, budget_s, evaluations, t0
+        self.scale_s = scale_s
+        self.evals = 0
+        self.best_key = self.best = self.best_res = None
+        self.history: list = []
+        self.last_improve_evals, self.last_improve_s = 0, time.perf_counter() - t0
+        self.callback = progress if callable(progress) else None
+        show = progress is True or (progress is None and sys.stderr.isatty())
+        self.bar, self._shown, self._t_shown = None, 0, 0.0
+        if show:
+            from tqdm import tqdm
+            self.bar = tqdm(total=evaluations, desc="search", unit="eval", file=sys.stderr,
+                            dynamic_ncols=True, leave=False)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def key(self, res) -> tuple:
+        return (0 if res.feasible else 1, _penalised(res, self.machine, self.scale_s))
+
+    def seen(self, strategy: Strategy, res) -> tuple:
+        """Count one evaluation; remember it when it is the best so far."""
+        self.evals += 1
+        k = self.key(res)
+        if _better(k, self.best_key):
+            self.best_key, self.best, self.best_res = k, strategy, res
+            self.last_improve_evals, self.last_improve_s = self.evals, self.elapsed()
+            self.history.append((self.evals, self.last_improve_s, res.iteration_time))
+        if self.bar is not None or self.callback is not None:
+            now = self.elapsed()
+            if now - self._t_shown > 0.2:
+                self._t_shown = now
+                if self.callback is not None:
+                    self.callback(self.evals, now, self.best_res.iteration_time)
+                if self.bar is not None:
+                    self.bar.update(self.evals - self._shown)
+                    self._shown = self.evals
+                    self.bar.set_postfix_str(f"best {self.best_res.iteration_time * 1e3:.3f} ms, "
+                                             f"{self.evals / max(now, 1e-9):.0f} eval/s")
+        return k
+
+    def spent(self, frac: float, patience: bool) -> bool:
+        """Whether the phase that may use ``frac`` of the budget is over: that much
+        is spent, or (patience) nothing improved for half of it."""
+        if self.max_evals is not None:
+            limit = self.max_evals * frac
+            return self.evals >= limit or (patience and self.evals - self.last_improve_evals >= limit / 2)
+        now = self.elapsed()
+        limit = self.budget_s * frac
+        return now >= limit or (patience and now - self.last_improve_s >= limit / 2)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.update(self.evals - self._shown)
+            self.bar.close()

@@ -1,0 +1,240 @@
+"""MCMC search (section 5 of the paper) and the local descent that polishes its best."""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from ..cost import CostModel
+from ..ir import OpGraph
+from ..strategy import Strategy
+from .baselines import baseline_strategies
+from .common import (BASELINES, Candidates, SearchError, SearchResult, _better, _penalised, _Run, _Space,
+                     _simulator)
+
+__all__ = ["search", "is_local_optimum"]
+
+
+def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_model=None, *,
+           evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
+           chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
+           polish: bool = True, temperature: float = 0.01,
+           baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring") -> SearchResult:
+    """MCMC search for a fast strategy of ``graph`` on ``machine``.
+
+    budget: seconds for the whole call (baselines included); ignored when
+        ``evaluations`` is given, which makes the run reproducible (same seed and
+        evaluations -> same strategy, whatever the wall time).
+    init: a Strategy (or its JSON text) to start one more chain from.
+    chains: number of chains (default: init if given, data parallel, expert,
+        OptCNN and one random start); more chains add random starts.
+    delta: False simulates every proposal from scratch (for benchmarking).
+    candidates: op, machine -> configs; restricts the space (default
+        ``candidate_configs``).
+    polish: spend the last quarter of the budget (and whatever the MCMC leaves
+        when it stops early) on a local descent from the best strategy: the
+        result is then locally optimal whenever the descent converges.
+    temperature: beta = ln 2 / (temperature * reference cost): a proposal that is
+        ``temperature`` (relative) slower than the reference is accepted with
+        probability 1/2.  progress: True/False/None (tqdm on a tty) or a
+        callable(evaluations, seconds, best_time_s).
+    baselines: name -> Strategy to reuse (e.g. a previous result's
+        ``baseline_strategies``) instead of recomputing them.
+    optimizer: "sgd", "momentum" or "adam": whose state counts in the memory
+        every strategy must fit.
+    sync: the simulator's parameter-sync model ("ring", or "ps" for the paper's
+        parameter server; see :class:`flexflow.Simulator`).
+    """
+    t0 = time.perf_counter()
+    if evaluations is not None and (isinstance(evaluations, bool) or int(evaluations) < 1):
+        raise SearchError(f"evaluations must be a positive integer, got {evaluations!r}")
+    if evaluations is None and not budget > 0:
+        raise SearchError(f"budget must be a positive number of seconds, got {budget!r}")
+    cm = cost_model if cost_model is not None else CostModel(machine)
+    space = _Space(graph, machine, candidates)
+    if isinstance(init, str):
+        init = Strategy.from_json(init, graph, machine)
+    if init is not None:
+        if init.graph is not graph and init.graph.fingerprint() != graph.fingerprint():
+            raise SearchError("init strategy was made for another graph")
+        init.check(machine)
+
+    base = dict(baselines) if baselines is not None else \
+        baseline_strategies(graph, machine, cm, candidates=candidates)
+    missing = [k for k in BASELINES if k not in base]
+    if missing:
+        raise SearchError(f"baselines lack {missing}")
+    sim0 = _simulator(graph, machine, cm, optimizer, sync)
+    base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
+    feasible = [r.iteration_time for r in base_res.values() if r.feasible]
+    scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
+    scale_s = scale_s if scale_s > 0 else 1e-6
+    # beta relative to the cost scale: a move `temperature` (1%) slower than the
+    # best baseline is accepted half the time, 5% slower 3% of the time.
+    beta = math.log(2.0) / (temperature * scale_s)
+
+    starts: list[tuple[str, Strategy]] = [("init", init)] if init is not None else []
+    starts += [(k, base[k]) for k in ("data_parallel", "expert", "optcnn")]
+    n_chains = chains if chains is not None else len(starts) + 1
+    if n_chains < 1:
+        raise SearchError(f"chains must be >= 1, got {chains!r}")
+    i = 0
+    while len(starts) < n_chains:
+        name = f"random{i}"
+        starts.append((name, space.random(seed * 7919 + i, name) if candidates else
+                       Strategy.random(graph, machine, seed * 7919 + i)))
+        i += 1
+    starts = starts[:n_chains]
+
+    baseline_s = time.perf_counter() - t0
+    run = _Run(machine, budget, evaluations, t0, progress, scale_s)
+    rng = random.Random(seed)
+    mcmc_frac = 0.75 if polish else 1.0
+    proposed = accepted = 0
+    try:
+        state, cost, sims = [], [], []
+        for _, s in starts:
+            sim = _simulator(graph, machine, cm, optimizer, sync)
+            res = sim.simulate(s, incremental=delta)
+            state.append(s)
+            cost.append(run.seen(s, res)[1])
+            sims.append(sim)
+        while space.movable and not run.spent(mcmc_frac, patience=True):
+            for c in range(len(starts)):
+                if run.spent(mcmc_frac, patience=True):
+                    break
+                gi = space.movable[rng.randrange(len(space.movable))]
+                rep, cs, ix = space.reps[gi], space.cands[gi], space.index[gi]
+                cur = ix.get(state[c][rep])
+                if cur is None:
+                    j = rng.randrange(len(cs))
+                else:  # uniformly one of the other candidates: a symmetric proposal
+                    j = rng.randrange(len(cs) - 1)
+                    j += j >= cur
+                new = state[c].replace(rep, cs[j])
+                res = sims[c].simulate(new, incremental=delta)
+                k = run.seen(new, res)
+                proposed += 1
+                if k[1] <= cost[c] or rng.random() < math.exp(-beta * (k[1] - cost[c])):
+                    state[c], cost[c] = new, k[1]
+                    accepted += 1
+        converged = False
+        if polish and space.movable:
+            converged = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync)
+    finally:
+        run.close()
+
+    best, best_res, best_key, source = run.best, run.best_res, run.best_key, "search"
+    for k in BASELINES:  # never worse than a baseline
+        kk = run.key(base_res[k])
+        if kk[0] == best_key[0] == 1:  # nothing fits: never slower than a baseline either
+            kk = (1, base_res[k].iteration_time)
+            best_key = (1, best_res.iteration_time)
+        if _better(kk, best_key):
+            best, best_res, best_key, source = base[k], base_res[k], kk, k
+            converged = False  # the polish's optimum was not this one
+    if source == "search":
+        same = next((k for k in BASELINES if base[k] == best), None)
+        if same is not None:  # the search ended where a baseline started: say so
+            best, best_res, source = base[same], base_res[same], same
+        else:
+            best = Strategy(graph, dict(best), machine, name="search")
+    return SearchResult(best, best_res, base_res, run.evals, time.perf_counter() - t0, base,
+                        run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
+                        source, converged, baseline_s)
+
+
+def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
+             optimizer: str = "sgd", sync: str = "ring") -> bool:
+    """Local descent from the run's best strategy, first improvement: single-group
+    changes (in a seeded order) until none improves; then pair moves (two adjacent
+    groups, producer and consumer, to one common config: a change the one-group
+    proposals only reach through a worse intermediate strategy); back to single
+    changes after a pair move improves.  Returns True when it converged (no
+    single-group or pair change improves: a local optimum), False when the budget
+    ran out first."""
+    sim = _simulator(graph, machine, cm, optimizer, sync)
+    order = list(range(len(space.reps)))
+    random.Random(seed).shuffle(order)
+    pairs = []
+    for a, b in _adjacent_groups(graph, space):
+        common = [c for c in space.cands[a] if c in space.index[b]]
+        if common:
+            pairs.append((a, b, common))
+    state = {"cur": run.best, "key": None}
+
+    def attempt(new) -> bool | None:
+        if run.spent(1.0, patience=False):
+            return None
+        k = run.seen(new, sim.simulate(new, incremental=delta))
+        if _better(k, state["key"]):
+            state["cur"], state["key"] = new, k
+            return True
+        return False
+
+    if run.spent(1.0, patience=False):
+        return False
+    state["key"] = run.seen(state["cur"], sim.simulate(state["cur"], incremental=delta))
+    while True:
+        quiet, i = 0, 0  # groups scanned in a row without an improvement
+        while quiet < len(order):
+            gi = order[i]
+            rep, improved = space.reps[gi], False
+            for cfg in space.cands[gi]:
+                if cfg != state["cur"][rep]:
+                    ok = attempt(state["cur"].replace(rep, cfg))
+                    if ok is None:
+                        return False
+                    improved |= ok
+            quiet = 0 if improved else quiet + 1
+            i = (i + 1) % len(order)
+        moved = False
+        for a, b, common in pairs:
+            ra, rb = space.reps[a], space.reps[b]
+            for cfg in common:
+                cur = state["cur"]
+                if cur[ra] == cfg or cur[rb] == cfg:
+                    continue  # a single-group change, already tried
+                ok = attempt(cur.replace(ra, cfg).replace(rb, cfg))
+                if ok is None:
+                    return False
+                if ok:
+                    moved = True
+                    break
+            if moved:
+                break
+        if not moved:
+            return True
+
+
+def _adjacent_groups(graph: OpGraph, space: _Space) -> list[tuple[int, int]]:
+    """(producer group, consumer group) pairs joined by an edge, in graph order."""
+    gid = {op: i for i, k in enumerate(space.keys) for op in graph.groups[k]}
+    out = {}
+    for op in graph.compute_ops:
+        for u in op.inputs:
+            if u in gid and gid[u] != gid[op.name]:
+                out[gid[u], gid[op.name]] = None
+    return list(out)
+
+
+def is_local_optimum(graph: OpGraph, machine, strategy: Strategy, cost_model=None, *,
+                     candidates: Candidates | None = None, optimizer: str = "sgd"):
+    """(True, None) when no single share-group change (to any candidate config)
+    improves ``strategy``; else (False, (op_name, config, iteration_time_s)), the
+    first improving change found.  Feasible beats infeasible; ties do not improve."""
+    cm = cost_model if cost_model is not None else CostModel(machine)
+    space = _Space(graph, machine, candidates)
+    sim = _simulator(graph, machine, cm, optimizer)
+    res = sim.simulate(strategy, incremental=False)
+    scale = res.iteration_time
+    key = lambda r: (0 if r.feasible else 1, _penalised(r, machine, scale))
+    k0 = key(res)
+    for rep, cs in zip(space.reps, space.cands):
+        for cfg in cs:
+            if cfg == strategy[rep]:
+                continue
+            r = sim.simulate(strategy.replace(rep, cfg), incremental=True)
+            if _better(key(r), k0):
+                return False, (rep, cfg, r.iteration_time)
+    return True, None

@@ -1,0 +1,297 @@
+"""OptCNN's layer-wise parallelism (Jia et al., ICML 2018) as a baseline: min-sum
+elimination over share groups, exact on series-parallel graphs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..cost import CostModel
+from ..ir import Op, OpGraph, dtype_bytes
+from ..strategy import ParallelConfig, Strategy, partitions
+from .common import Candidates, SearchError, _Space
+
+__all__ = ["optcnn", "optcnn_cost"]
+
+
+def optcnn(graph: OpGraph, machine, cost_model=None, *, candidates: Candidates | None = None) -> Strategy:
+    """OptCNN's layer-wise parallelism (Jia et al., ICML 2018): every op split
+    over all devices along sample, attribute and parameter dims, the config of
+    each chosen by dynamic programming over node costs (compute + parameter
+    sync) and edge costs (redistribution); see :class:`_OptCNN`."""
+    return _OptCNN(graph, machine, cost_model, candidates).solve()
+
+
+def optcnn_cost(graph: OpGraph, machine, strategy: Strategy, cost_model=None, *,
+                candidates: Candidates | None = None) -> float:
+    """OptCNN's objective for ``strategy`` (every config must be in its domain)."""
+    return _OptCNN(graph, machine, cost_model, candidates).value(strategy)
+
+
+class _OptCNN:
+    """OptCNN's cost model and its graph reductions.
+
+    Variables: share groups (ops sharing parameters take one config).  Domain:
+    the candidate configs whose partitions use all devices (the most
+    partitions the op allows, from device 0 up, when it cannot use all).
+    Node cost of a group under config c: for each member op, the slowest
+    partition's forward + backward time, plus the all-reduce time
+    (``machine.allreduce_time_s``) of every parameter shard held by several
+    partitions.  Edge cost (producer config, consumer config): each consumer
+    partition needs its input region (partition regions; all partials of it
+    when the producer leaves partial sums) minus what the producer partition
+    on its own device holds (region overlap); it receives that over the
+    slowest route into its device from the producer's devices (latency +
+    bytes / bandwidth, ``machine.route``: all senders share the receiver's
+    link or NIC); the edge costs the slowest receiver, twice (activations
+    forward, their gradients backward).  This is O(partitions) per config
+    pair, which keeps 64 devices tractable.  The cost of a strategy is the sum
+    of node and edge costs.
+
+    Solving: OptCNN's node elimination (an op with one in- and one out-edge
+    becomes an edge), edge elimination (parallel edges add), and leaf
+    elimination, all exact; this is min-sum variable elimination on factors of
+    at most two variables, which solves chains and series-parallel graphs
+    exactly.  When no such reduction applies, the variable whose elimination
+    makes the smallest factor is eliminated exactly when that factor has at
+    most ``cap`` entries; otherwise (never on the zoo's graphs) the most
+    connected variable is fixed greedily to its best config given the others'
+    best, and ``self.exact`` becomes False.  (``cap`` counts the entries of the
+    table built to eliminate it, its own configs included.)
+    """
+
+    cap = 1 << 21
+
+    def __init__(self, graph, machine, cost_model=None, candidates=None):
+        self.graph, self.machine = graph, machine
+        self.cm = cost_model if cost_model is not None else CostModel(machine)
+        self.space = space = _Space(graph, machine, candidates)
+        D = machine.num_devices
+        full = tuple(range(D))
+        self.domains = []
+        for cs in space.cands:
+            dom = [c for c in cs if c.devices == full]
+            if not dom:
+                most = max(c.num_partitions for c in cs)
+                dom = [c for c in cs if c.num_partitions == most and c.devices[0] == 0] or \
+                      [c for c in cs if c.num_partitions == most]
+            self.domains.append(dom)
+        self.var = {op: i for i, k in enumerate(space.keys) for op in graph.groups[k]}
+        lat = np.zeros((D, D))
+        inv_bw = np.zeros((D, D))
+        for s in range(D):
+            for d in range(D):
+                r = machine.route(s, d)
+                if r:
+                    links = [machine.links[i] for i in r]
+                    lat[s, d] = sum(l.latency_s for l in links)
+                    inv_bw[s, d] = 1.0 / min(l.bandwidth_Bps for l in links)
+        self.lat, self.inv_bw = lat, inv_bw
+        self._cache: dict = {}
+        self._build()
+        self.exact = True
+
+    # -- tables
+    def _build(self):
+        g, sp = self.graph, self.space
+        self.unary = [np.zeros(len(d)) for d in self.domains]
+        self.pair: dict[tuple[int, int], np.ndarray] = {}
+        for i, key in enumerate(sp.keys):
+            for name in g.groups[key]:
+                self.unary[i] += self._node(g.op(name), self.domains[i])
+            self.unary[i] += self._sync(g.op(sp.reps[i]), self.domains[i])
+        for v in g.compute_ops:
+            for idx, u in enumerate(v.inputs):
+                uop = g.op(u)
+                if uop.everywhere:
+                    continue
+                a, b = self.var[u], self.var[v.name]
+                t = self._edge(uop, v, idx, self.domains[a], self.domains[b])
+                if a == b:
+                    self.unary[a] += np.diag(t)
+                elif a < b:
+                    self.pair[a, b] = self.pair.get((a, b), 0) + t
+                else:
+                    self.pair[b, a] = self.pair.get((b, a), 0) + t.T
+
+    @staticmethod
+    def _sig(op: Op) -> tuple:
+        return (op.kind, op.rule, str(op.dtype), tuple(op.output_shape), tuple(map(tuple, op.input_shapes)),
+                tuple(op.dims), tuple(sorted(op.param_shapes.items())), repr(sorted(op.attrs.items(), key=str)))
+
+    def _parts(self, op: Op, cfg: ParallelConfig):
+        """partitions(), shared by ops with one signature (same shapes, kind, attrs)."""
+        key = ("parts", self._sig(op), cfg)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = partitions(op, cfg)
+        return hit
+
+    def _node(self, op: Op, dom) -> np.ndarray:
+        key = ("node", self._sig(op), tuple(dom))
+        if key not in self._cache:
+            out = []
+            for c in dom:
+                out.append(max(sum(self.cm.op_time(op, p, p.device)) for p in self._parts(op, c)))
+            self._cache[key] = np.array(out)
+        return self._cache[key]
+
+    def _sync(self, op: Op, dom) -> np.ndarray:
+        if not op.params:
+            return np.zeros(len(dom))
+        key = ("sync", self._sig(op), tuple(dom))
+        if key not in self._cache:
+            self._cache[key] = np.array([_sync_time_s(self.machine, op, c, self._parts(op, c)) for c in dom])
+        return self._cache[key]
+
+    @staticmethod
+    def _boxes(regions, rank) -> np.ndarray:
+        """(P, 2, rank) int array of [start, stop) per axis; None -> empty box."""
+        a = np.zeros((len(regions), 2, rank), dtype=np.int64)
+        for k, r in enumerate(regions):
+            if r is not None:
+                a[k, 0] = [s.start for s in r]
+                a[k, 1] = [s.stop for s in r]
+        return a
+
+    def _edge(self, u: Op, v: Op, idx: int, dom_u, dom_v) -> np.ndarray:
+        key = ("edge", self._sig(u), self._sig(v), idx, tuple(dom_u), tuple(dom_v))
+        if key in self._cache:
+            return self._cache[key]
+        rank = len(u.output_shape)
+        esize = dtype_bytes(u.dtype)
+        D = self.machine.num_devices
+        out = np.zeros((len(dom_u), len(dom_v)))
+        by_count: dict[int, list[int]] = {}  # consumer configs stacked by partition count
+        for j, c in enumerate(dom_v):
+            by_count.setdefault(c.num_partitions, []).append(j)
+        cons = []
+        for js in by_count.values():
+            boxes = np.stack([self._boxes([p.inputs[idx] for p in self._parts(v, dom_v[j])], rank)
+                              for j in js])  # (J, P', 2, A)
+            need = np.clip(boxes[:, :, 1] - boxes[:, :, 0], 0, None).prod(-1)  # (J, P')
+            cons.append((js, boxes, need, np.array([dom_v[j].devices for j in js])))
+        reduction = {d.name for d in u.dims if d.axis is None}
+        for i, cu in enumerate(dom_u):
+            pb = self._boxes([p.output for p in self._parts(u, cu)], rank)  # (P, 2, A)
+            on = np.full(D, -1)
+            on[list(cu.devices)] = np.arange(cu.num_partitions)  # device -> producer partition
+            partial = math.prod(cu.degree(d) for d in reduction)
+            srcs = np.array(cu.devices)
+            lat_in = np.zeros(D)  # slowest route into each device from the producer's devices
+            inv_in = np.zeros(D)
+            for d in range(D):
+                others = srcs[srcs != d]
+                if len(others):
+                    lat_in[d] = self.lat[others, d].max()
+                    inv_in[d] = self.inv_bw[others, d].max()
+            for js, cb, need, cdev in cons:
+                q = on[cdev]  # (J, P') producer partition on the consumer's device, or -1
+                own = pb[np.maximum(q, 0)]  # (J, P', 2, A)
+                lo = np.maximum(cb[:, :, 0], own[:, :, 0])
+                hi = np.minimum(cb[:, :, 1], own[:, :, 1])
+                local = np.where(q >= 0, np.clip(hi - lo, 0, None).prod(-1), 0)
+                recv = (need * partial - local) * esize  # bytes from other devices
+                t = np.where(recv > 0, lat_in[cdev] + recv * inv_in[cdev], 0.0)
+                out[i, js] = 2.0 * t.max(1)
+        self._cache[key] = out
+        return out
+
+    # -- objective and solver
+    def value(self, strategy: Strategy) -> float:
+        ix = []
+        for i, rep in enumerate(self.space.reps):
+            try:
+                ix.append(self.domains[i].index(strategy[rep]))
+            except ValueError:
+                raise SearchError(f"{rep}: config {strategy[rep]} is not an all-device config") from None
+        total = sum(float(u[j]) for u, j in zip(self.unary, ix))
+        return total + sum(float(t[ix[a], ix[b]]) for (a, b), t in self.pair.items())
+
+    def solve(self) -> Strategy:
+        n = len(self.domains)
+        factors: dict[int, tuple[tuple, np.ndarray]] = {}
+        touching: list[set] = [set() for _ in range(n)]
+
+        def add(scope, arr):
+            fid = len(add.ids)
+            add.ids.append(fid)
+            factors[fid] = (scope, arr)
+            for x in scope:
+                touching[x].add(fid)
+        add.ids = []
+        for i, u in enumerate(self.unary):
+            add((i,), u)
+        for (a, b), t in self.pair.items():
+            add((a, b), np.asarray(t, dtype=float))
+        alive = set(range(n))
+        records = []  # (var, scope of its argmin table, table) in elimination order
+
+        def neighbours(v):
+            return sorted({x for f in touching[v] for x in factors[f][0]} - {v})
+
+        while alive:
+            best = None
+            for v in sorted(alive):
+                nb = neighbours(v)
+                if len(nb) <= 2 and (best is None or len(nb) < len(best[1])):
+                    best = (v, nb)
+                    if not nb:
+                        break
+            if best is None:
+                sizes = {v: math.prod(len(self.domains[x]) for x in neighbours(v) + [v]) for v in sorted(alive)}
+                v = min(sizes, key=sizes.get)
+                if sizes[v] <= self.cap:
+                    best = (v, neighbours(v))
+            if best is not None:
+                v, nb = best
+                scope = tuple(sorted(nb + [v]))
+                total = np.zeros([len(self.domains[x]) for x in scope])
+                for fid in list(touching[v]):
+                    fs, arr = factors.pop(fid)
+                    for x in fs:
+                        touching[x].discard(fid)
+                    total = total + arr.reshape([arr.shape[fs.index(x)] if x in fs else 1 for x in scope])
+                ax = scope.index(v)
+                records.append((v, tuple(nb), total.argmin(axis=ax)))
+                add(tuple(nb), total.min(axis=ax))
+            else:  # greedy: fix the most connected variable to its locally best config
+                self.exact = False
+                v = max(sorted(alive), key=lambda x: len(neighbours(x)))
+                score = np.zeros(len(self.domains[v]))
+                for fid in touching[v]:
+                    fs, arr = factors[fid]
+                    ax = fs.index(v)
+                    score += np.moveaxis(arr, ax, 0).reshape(arr.shape[ax], -1).min(axis=1)
+                val = int(score.argmin())
+                for fid in list(touching[v]):
+                    fs, arr = factors.pop(fid)
+                    for x in fs:
+                        touching[x].discard(fid)
+                    add(tuple(x for x in fs if x != v), np.take(arr, val, axis=fs.index(v)))
+                records.append((v, (), np.array(val)))
+            alive.discard(v)
+        choice: dict[int, int] = {}
+        for v, nb, table in reversed(records):
+            choice[v] = int(table[tuple(choice[x] for x in nb)])
+        configs = {rep: self.domains[i][choice[i]] for i, rep in enumerate(self.space.reps)}
+        return Strategy(self.graph, configs, self.machine, name="optcnn")
+
+
+def _sync_time_s(machine, op: Op, config: ParallelConfig, parts=None) -> float:
+    """All-reduce time of the op's parameters under ``config``: partitions holding
+    the same region of a parameter all-reduce its gradient (shards of one
+    parameter in parallel, parameters one after the other)."""
+    parts = parts if parts is not None else partitions(op, config)
+    total = 0.0
+    for local in op.params:
+        holders: dict = {}
+        for p in parts:
+            holders.setdefault(tuple((s.start, s.stop) for s in p.params[local]), []).append(p.device)
+        t = 0.0
+        for region, devs in holders.items():
+            if len(devs) > 1:
+                nbytes = math.prod(b - a for a, b in region) * dtype_bytes(op.dtype)
+                t = max(t, machine.allreduce_time_s(devs, nbytes))
+        total += t
+    return total
