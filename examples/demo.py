@@ -162,7 +162,7 @@ def real(budget_s: float, steps: int, rounds: int, check_steps: int) -> bool:
 
     ref = real_speedup.reference_losses(name, batch, check_steps)
     got = row["check_losses"]
-    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
+    worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref)), default=0.0)
     ok = len(got) == len(ref) and worst <= LOSS_RTOL
     print(f"\n   trains like one process? the searched run's first {check_steps} SGD steps against the "
           f"plain module in one process:")
