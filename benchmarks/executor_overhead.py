@@ -60,6 +60,7 @@ class _Trainer:
         loss = self.model(*self.inputs)
         loss.backward()
         self.opt.step()
+        self.last_loss = loss  # read it after the timing (.item() waits for it)
         return time.perf_counter() - t0
 
     def steps(self, n: int) -> float:

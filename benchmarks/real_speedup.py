@@ -76,7 +76,8 @@ def build(name: str, batch: int):
 CASES = [("wide_mlp", 32), ("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
 
 
-def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: float):
+def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: float,
+            check_steps: int = 0):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -95,6 +96,7 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
     search_s = time.perf_counter() - t0
     runs = {"ddp": _Trainer(ddp, tuple(x[lo:hi] for x in inputs)), "flexflow_dp": _Trainer(dp, inputs),
             "flexflow_searched": _Trainer(searched, inputs)}
+    check = _losses(runs["flexflow_searched"], check_steps)  # from the initial parameters
     for t in runs.values():
         t.steps(3)  # warm-up
     times = {k: [] for k in runs}
@@ -102,7 +104,7 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
         for k, t in runs.items():
             dist.barrier()
             times[k].append(t.steps(steps))
-    out = {"times": times}
+    out = {"times": times, "check_losses": check}
     if rank == 0:
         sim = ff.Simulator(graph, machine)
         dp_s = ff.Strategy.data_parallel(graph, machine)
@@ -112,6 +114,7 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
         out["search_s"] = search_s
         out["machine"] = machine.name
         out["strategy_table"] = _strategy_lines(graph, searched.strategy, dp_s)
+        out["strategy_json"] = searched.strategy.to_json()
     return out
 
 
@@ -121,23 +124,47 @@ def _strategy_lines(graph, strategy, dp) -> list[str]:
             if strategy[op.name] != dp[op.name]]
 
 
+def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check_steps: int = 0) -> dict:
+    """One launch of 2 processes for one model: the row of the report.  With
+    ``check_steps``, also the searched run's first losses from the initial
+    parameters (``check_losses``, rank 0), to compare with :func:`reference_losses`."""
+    res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, check_steps, timeout_s=900)
+    per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
+    med = {k: statistics.median(v) for k, v in per.items()}
+    return {"model": name, "batch": batch, "processes": 2, "steps_per_round": steps, "rounds": rounds,
+            "step_ms": {k: v * 1000 for k, v in med.items()},
+            "spread_ms": {k: [min(v) * 1000, max(v) * 1000] for k, v in per.items()},
+            "rounds_ms": {k: [x * 1000 for x in v] for k, v in per.items()},
+            "steps_per_s": {k: 1 / v for k, v in med.items()},
+            "vs_ddp": {k: med["ddp"] / v for k, v in med.items()},
+            "predicted_ms": {k: v * 1000 for k, v in res[0]["predicted_s"].items()},
+            "search_s": res[0]["search_s"], "machine": res[0]["machine"],
+            "searched_differs": res[0]["strategy_table"], "strategy_json": res[0]["strategy_json"],
+            "check_losses": res[0]["check_losses"]}
+
+
+def reference_losses(name: str, batch: int, steps: int) -> list[float]:
+    """The plain module in this process, the same SGD steps on the same global batch."""
+    module, inputs = build(name, batch)
+    return _losses(_Trainer(module, inputs), steps)
+
+
+def _losses(trainer, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        trainer.step()
+        out.append(trainer.last_loss.item())
+    return out
+
+
 def run(cases, steps: int, rounds: int, budget: float) -> list[dict]:
     rows = []
     for name, batch in cases:
-        res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, timeout_s=900)
-        per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
-        med = {k: statistics.median(v) for k, v in per.items()}
-        row = {"model": name, "batch": batch, "processes": 2, "steps_per_round": steps, "rounds": rounds,
-               "step_ms": {k: v * 1000 for k, v in med.items()},
-               "spread_ms": {k: [min(v) * 1000, max(v) * 1000] for k, v in per.items()},
-               "steps_per_s": {k: 1 / v for k, v in med.items()},
-               "vs_ddp": {k: med["ddp"] / v for k, v in med.items()},
-               "predicted_ms": {k: v * 1000 for k, v in res[0]["predicted_s"].items()},
-               "search_s": res[0]["search_s"], "machine": res[0]["machine"],
-               "searched_differs": res[0]["strategy_table"]}
+        row = measure(name, batch, steps, rounds, budget)
         rows.append(row)
-        print(f"{name:12s} " + "  ".join(f"{k} {med[k] * 1000:7.2f} ms ({row['vs_ddp'][k]:.2f}x DDP, "
-                                         f"pred {row['predicted_ms'][k]:.2f})" for k in med), flush=True)
+        print(f"{name:12s} " + "  ".join(f"{k} {row['step_ms'][k]:7.2f} ms ({row['vs_ddp'][k]:.2f}x DDP, "
+                                         f"pred {row['predicted_ms'][k]:.2f})" for k in row["step_ms"]),
+              flush=True)
     return rows
 
 
