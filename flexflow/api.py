@@ -121,8 +121,8 @@ class ParallelModule(nn.Module):
     def graph(self):
         return self._runtime.graph
 
-    def forward(self, *inputs):
-        return self._runtime.run(inputs)
+    def forward(self, *inputs, **kwargs):
+        return self._runtime.run(self._runtime.graph.flat_inputs(inputs, kwargs))
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -200,9 +200,9 @@ def _search_strategy(graph, machine, budget: float) -> Strategy:
     return search(graph, machine, budget=budget).strategy
 
 
-def _trace_clean(module: nn.Module, example_inputs):
+def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None):
     """trace() leaves the module's buffers and attributes as they were."""
-    return trace(module, example_inputs)
+    return trace(module, example_inputs, example_kwargs)
 
 
 def _reuse_graph(strategy, module, example_inputs):
@@ -284,7 +284,8 @@ def _broadcast_state(module: nn.Module, device) -> None:
                 off += t.numel()
 
 
-def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strategy=None, budget: float = 30.0,
+def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example_kwargs=None,
+                strategy=None, budget: float = 30.0,
                 machine: Machine | None = None, timeout_s: float | None = None,
                 bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True) -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
@@ -293,12 +294,16 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
     same module (structure), inputs shapes and arguments.  ``devices`` is
     None (every rank), a count (ranks 0..n-1) or a list of ranks; device k
     of the strategy runs on ``ranks[k]``; the other ranks hold nothing but
-    still return the outputs.  ``example_inputs`` fix every shape (required).
+    still return the outputs.  ``example_inputs`` fix every shape (required;
+    keyword inputs go in ``example_kwargs`` and the module is then called
+    with the same keywords).
     Without ``strategy``, rank 0 searches for ``budget`` seconds and
     broadcasts the result.  ``timeout_s`` (default $FLEXFLOW_TIMEOUT_S or
     300) bounds every wait on a peer.  Rank 0's parameters and buffers are
     copied to every rank first (``broadcast_state``), as DDP does.
     """
+    if example_inputs is None and example_kwargs:
+        example_inputs = ()
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: a batch with the shapes and dtypes of the "
                          "real inputs (they fix every op's shape), e.g. "
@@ -331,7 +336,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
         elif machine.num_devices != len(ranks):
             raise ValueError(f"machine {machine.name!r} has {machine.num_devices} devices but "
                              f"{len(ranks)} ranks take part ({ranks})")
-        graph = _reuse_graph(strategy, module, example_inputs) or _trace_clean(module, example_inputs)
+        graph = ((None if example_kwargs else _reuse_graph(strategy, module, example_inputs))
+                 or _trace_clean(module, example_inputs, example_kwargs))
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         if not distributed:
             raise

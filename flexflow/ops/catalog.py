@@ -51,6 +51,8 @@ _MODULE_KINDS = {
     nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d", nn.Identity: "identity",
     nn.Hardswish: "hardswish", nn.Softplus: "softplus", nn.Mish: "mish",
 }
+_ATEN_NAMES = {"__and__": "and_", "__or__": "or_", "alias": "identity", "lift_fresh_copy": "clone",
+               "split_with_sizes": "split", "unbind": "unbind", "concat": "cat"}
 _TUPLE_MAKERS = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes"}
 
 
@@ -60,6 +62,9 @@ def _name_of(node: fx.Node) -> str:
         return t
     if t in _OPERATOR_NAMES:
         return _OPERATOR_NAMES[t]
+    if isinstance(t, torch._ops.OpOverload):  # an ATen op the export front end kept
+        name = t.overloadpacket.__name__
+        return _ATEN_NAMES.get(name, name.strip("_"))
     return getattr(t, "__name__", str(t)).lstrip("_")
 
 

@@ -104,6 +104,19 @@ def classify(b, name, module) -> Op:
             if op is not None:
                 return op
         return _opaque(b, name, module, at, kt)
+    if name == "linear_t":  # x @ W + b, W stored (in, out): the export front end's GPT-2 Conv1D
+        if len(x_in) == 1 and isinstance(_get(at, kt, 1, "weight"), ParamRef):
+            op = fn_op("linear", "linear_t", {}, {1: "weight", 2: "bias"})
+            if op is not None:
+                return op
+        return _opaque(b, name, module, at, kt)
+    if name == "scaled_dot_product_attention":
+        from .attention import attention_attrs
+        shapes = [b.ops_by_name[i].output_shape for i in x_in]
+        attrs = attention_attrs(at, kt, shapes) if not b.params else None
+        if attrs is not None and attrs["dropout_p"] == 0.0:
+            return b.make("attention", "attention", attrs=attrs, **mk)
+        return _opaque(b, name, module, at, kt)
     if name in ("matmul", "bmm", "mm"):
         if len(x_in) == 2 and not b.params and all(len(b.ops_by_name[i].output_shape) >= 2 for i in x_in):
             return b.make(name, "matmul", **mk)
@@ -117,6 +130,24 @@ def classify(b, name, module) -> Op:
     # -- normalization, softmax -------------------------------------------------
     if name == "batch_norm" and module is not None:
         return module_op("batch_norm", "batchnorm", {"eps": module.eps, "momentum": module.momentum})
+    if name == "batch_norm" and module is None and len(x_in) == 1:
+        # F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+        op = b.make("batch_norm", "batchnorm", attrs={"training": bool(_get(av, kv, 5, "training", False)),
+                                                      "momentum": _get(av, kv, 6, "momentum", 0.1),
+                                                      "eps": _get(av, kv, 7, "eps", 1e-5)}, **mk)
+        refs = {1: "running_mean", 2: "running_var", 3: "weight", 4: "bias"}
+        ok = True
+        for pos, local in refs.items():
+            ref = _get(at, kt, pos, local)
+            if isinstance(ref, ParamRef):
+                q = b.params[ref.name]
+                op.params[local] = q
+                op.param_shapes[local] = tuple(_param_shape(b, q))
+            elif ref is not None:
+                ok = False
+        if ok:
+            return op
+        return _opaque(b, name, module, at, kt)
     if name == "layer_norm":
         if module is not None:
             k = len(module.normalized_shape)
@@ -218,6 +249,12 @@ def classify(b, name, module) -> Op:
         return _opaque(b, name, module, at, kt)
 
     # -- element-wise ---------------------------------------------------------------
+    if name in POINTWISE and x_in and b.params and _broadcasts(b, x_in) and _params_broadcast(b):
+        op = fn_op(name, "pointwise", {})
+        for local, q in b.params.items():
+            op.params[local] = q
+            op.param_shapes[local] = tuple(_param_shape(b, q))
+        return op
     if name in POINTWISE and x_in and not b.params and _broadcasts(b, x_in):
         if module is not None and getattr(module, "inplace", False):
             module = copy.copy(module)
@@ -230,6 +267,15 @@ def classify(b, name, module) -> Op:
             return op
         return b.make(name, "pointwise", attrs=attrs, **mk)
     return _opaque(b, name, module, at, kt)
+
+
+def _params_broadcast(b) -> bool:
+    out = tuple(b.value.shape)
+    for q in b.params.values():
+        s = tuple(_param_shape(b, q))
+        if len(s) > len(out) or any(a != o and a != 1 for a, o in zip(reversed(s), reversed(out))):
+            return False
+    return True
 
 
 def _broadcasts(b, x_in) -> bool:
