@@ -23,6 +23,7 @@ op names at the leaves.
 from __future__ import annotations
 
 import inspect
+import os
 import operator
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-__all__ = ["export_graph", "flatten_call", "CallSpec", "linear_t"]
+__all__ = ["export_graph", "flatten_call", "CallSpec", "CaptureError", "linear_t", "write_into"]
 
 aten = torch.ops.aten
 
@@ -40,6 +41,10 @@ def linear_t(x, weight, bias=None):
     """``x @ weight + bias`` with ``weight`` stored (in, out), as GPT-2's Conv1D."""
     y = torch.matmul(x, weight)
     return y + bias if bias is not None else y
+
+
+class CaptureError(RuntimeError):
+    """An op of the exported graph that the front end cannot translate."""
 
 
 class CallSpec:
@@ -233,30 +238,13 @@ def _rebuild(root, ep, args, kwargs):
             continue
         if node.op != "call_function":
             raise RuntimeError(f"unexpected {node.op} node {node.name} in the exported graph")
-        name = _packet(node.target).strip("_")
-        if name in _SKIP or node.meta.get("ff_fused"):
-            continue
-        ins = [a for a in node.all_input_nodes]
-        foldable = (name not in _RANDOM and all(isinstance(env.get(a), _Value) for a in ins)
-                    and isinstance(node.meta.get("val"), torch.Tensor))
-        if foldable:
-            env[node] = _Value(node.target(*real(node.args), **real(node.kwargs)))
-            continue
-        if node.target is operator.getitem:
-            src = env[node.args[0]]
-            n = g.call_function(operator.getitem, (src, node.args[1]))
-        elif node.target is aten.addmm.default and _fuse_conv1d(node, env, g, use):
-            continue
-        else:
-            tr = _TRANSLATE.get(node.target)
-            if tr is not None:
-                fn, a, k = tr(*node.args, **node.kwargs)
-            else:
-                fn, a, k = node.target, node.args, node.kwargs
-            n = g.call_function(fn, use(tuple(a)), use(dict(k)))
-        n.meta.update(_meta(node))
-        n.meta["ff_value"] = node.meta.get("val")
-        env[node] = n
+        try:
+            _translate(node, env, g, use, real)
+        except CaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - name the op and the model's line
+            raise CaptureError(f"cannot capture {node.target} ({node.name}) at {_where(node)}: "
+                               f"{type(e).__name__}: {e}") from e
     # outputs: the user's, in the order of the output spec
     user_outs = [s.arg.name for s in sig.output_specs if s.kind.name == "USER_OUTPUT"]
     by_name = {a.name: a for a in out_node.args[0] if isinstance(a, fx.Node)}
@@ -273,11 +261,103 @@ def _rebuild(root, ep, args, kwargs):
     return g, tensors, ep.call_spec.out_spec, CallSpec(len(args), kwargs)
 
 
+_VIEWS = {aten.slice.Tensor, aten.select.int, aten.alias.default, aten.unsqueeze.default,
+          aten.view.default, aten.transpose.int}
+
+
+def _mutates(target) -> bool:
+    """An ATen op that writes into its first argument (``copy_``, ``fill_``, ``masked_fill_``)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    info = target._schema.arguments[0].alias_info
+    return bool(info is not None and info.is_write)
+
+
+def write_into(base, path, op, *args, **kwargs):
+    """A copy of ``base`` with ``op`` applied in place to the view ``path``
+    (``[(view op, its literal args), ...]``) of it: an in-place write as a value."""
+    out = base.clone()
+    view = out
+    for fn, vargs in path:
+        view = fn(view, *vargs)
+    op(view, *args, **kwargs)
+    return out
+
+
+def _functionalize(node, env, g, use, real):
+    """An in-place write into a tensor the graph made (``shifted[:, 0] = start``)
+    becomes a ``write_into`` op whose value replaces that tensor for every
+    later reader."""
+    target, path = node.args[0], []
+    while isinstance(target, fx.Node) and target.target in _VIEWS:
+        if any(isinstance(a, fx.Node) for a in target.args[1:]):
+            break
+        path.append((target.target, tuple(target.args[1:])))
+        target = target.args[0]
+    path.reverse()
+    rest = node.args[1:]
+    if not isinstance(target, fx.Node) or target.op == "placeholder" and not isinstance(env[target], _Value):
+        if isinstance(target, fx.Node) and target.op == "placeholder":
+            return  # a write into a buffer (BatchNorm's counter): the rules keep that state
+        raise CaptureError(f"cannot capture the in-place {node.target} ({node.name}) at {_where(node)}: "
+                           "it writes into a model input; write into a copy instead")
+    ins = [target] + [a for a in node.all_input_nodes if a is not node.args[0]]
+    if all(isinstance(env.get(a), _Value) for a in ins):
+        env[target] = _Value(write_into(env[target].tensor, path, node.target, *real(rest), **real(node.kwargs)))
+    else:
+        n = g.call_function(write_into, (use(target), path, node.target) + use(tuple(rest)),
+                            use(dict(node.kwargs)))
+        n.meta.update(_meta(node))
+        n.meta["ff_value"] = target.meta.get("val")
+        env[target] = n
+    if not path:  # the op's result is the written tensor itself
+        env[node] = env[target]
+
+
+def _where(node) -> str:
+    import re
+    hits = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    return f"{os.path.basename(hits[-1][0])}:{hits[-1][1]}" if hits else node.name
+
+
 def _fetch(root, qual: str):
     obj = root
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _translate(node, env, g, use, real) -> None:
+    """Add the new graph's node(s) for one call_function node of the export graph."""
+    name = _packet(node.target).strip("_")
+    if name in _SKIP or node.meta.get("ff_fused"):
+        return
+    ins = [a for a in node.all_input_nodes]
+    val = node.meta.get("val")
+    foldable = (name not in _RANDOM and all(isinstance(env.get(a), _Value) for a in ins)
+                and (isinstance(val, torch.Tensor) or isinstance(val, (list, tuple)) and val
+                     and all(isinstance(v, torch.Tensor) for v in val)))
+    if foldable:
+        env[node] = _Value(node.target(*real(node.args), **real(node.kwargs)))
+        return
+    if _mutates(node.target):
+        _functionalize(node, env, g, use, real)
+        return
+    if node.target is operator.getitem:
+        src = env[node.args[0]]
+        n = g.call_function(operator.getitem, (src, node.args[1]))
+    elif node.target is aten.addmm.default and _fuse_conv1d(node, env, g, use):
+        return
+    else:
+        tr = _TRANSLATE.get(node.target)
+        if tr is not None:
+            fn, a, k = tr(*node.args, **node.kwargs)
+        else:
+            fn, a, k = node.target, node.args, node.kwargs
+        n = g.call_function(fn, use(tuple(a)), use(dict(k)))
+    n.meta.update(_meta(node))
+    n.meta["ff_value"] = node.meta.get("val")
+    env[node] = n
 
 
 def _meta(node: fx.Node) -> dict:

@@ -1,0 +1,129 @@
+"""Models the project does not own, built from small configs with random
+weights (no downloads): Hugging Face transformers, timm, torchvision.
+
+``build(name, batch)`` -> ``(module, args, kwargs)`` where
+``module(*args, **kwargs)`` returns what the library returns (a ModelOutput
+with ``.loss`` for transformers, logits for the vision models: the loss
+of those is computed outside, as users do).  ``batch_for_step`` makes a
+fresh batch of the same shapes.  Imports of the libraries are lazy so that
+the module loads without them; ``FAMILIES`` says which library each needs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB, SEQ = 96, 8
+FAMILIES = {  # name -> library it needs
+    "gpt2": "transformers", "llama": "transformers", "bert": "transformers", "t5": "transformers",
+    "bart": "transformers",
+    "vit": "timm", "convnext": "timm", "swin": "timm", "efficientnet": "timm", "mobilenetv3": "timm",
+    "tv_resnet18": "torchvision", "tv_mobilenet_v3_small": "torchvision", "tv_convnext_tiny": "torchvision",
+}
+HF = [k for k, v in FAMILIES.items() if v == "transformers"]
+VISION = [k for k, v in FAMILIES.items() if v != "transformers"]
+
+
+def _hf(name):
+    import transformers as T
+    quiet = dict(tie_word_embeddings=True)
+    if name == "gpt2":
+        cfg = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return T.GPT2LMHeadModel(cfg), "causal"
+    if name == "llama":  # grouped-query attention (4 query heads, 2 key/value heads), rotary embeddings
+        cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0, **quiet)
+        return T.LlamaForCausalLM(cfg), "causal"
+    if name == "bert":
+        cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=SEQ, num_labels=3,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return T.BertForSequenceClassification(cfg), "classify"
+    if name == "t5":
+        cfg = T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        return T.T5ForConditionalGeneration(cfg), "seq2seq"
+    if name == "bart":
+        cfg = T.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, max_position_embeddings=SEQ, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+                           bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+        return T.BartForConditionalGeneration(cfg), "seq2seq"
+    raise KeyError(name)
+
+
+def _vision(name):
+    if name.startswith("tv_"):
+        import torchvision.models as tvm
+        arch = name[3:]
+        if arch == "convnext_tiny":  # the torchvision block structure, narrower
+            from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+            return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=5)
+        if arch == "mobilenet_v3_small":
+            return tvm.mobilenet_v3_small(num_classes=5, width_mult=0.25)
+        return getattr(tvm, arch)(num_classes=5)
+    import timm
+    kw = dict(pretrained=False, num_classes=5)
+    if name == "vit":
+        return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2,
+                                 num_heads=4, **kw)
+    if name == "convnext":
+        return timm.create_model("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), **kw)
+    if name == "swin":
+        return timm.create_model("swin_tiny_patch4_window7_224", img_size=32, patch_size=2, window_size=4,
+                                 embed_dim=16, depths=(1, 1), num_heads=(2, 4), **kw)
+    if name == "efficientnet":
+        return timm.create_model("efficientnet_b0", channel_multiplier=0.25, depth_multiplier=0.25,
+                                 drop_rate=0.0, drop_path_rate=0.0, **kw)
+    if name == "mobilenetv3":
+        return timm.create_model("mobilenetv3_small_050", drop_rate=0.0, **kw)
+    raise KeyError(name)
+
+
+def batch_for_step(name: str, batch: int, step: int):
+    """(args, kwargs) of a fresh batch (seeded by ``step``)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if FAMILIES[name] == "transformers":
+        ids = torch.randint(3, VOCAB, (batch, SEQ), generator=g)
+        kind = _KIND[name]
+        if kind == "causal":
+            return (), {"input_ids": ids, "labels": torch.randint(3, VOCAB, (batch, SEQ), generator=g)}
+        if kind == "classify":
+            mask = torch.ones(batch, SEQ, dtype=torch.long)
+            mask[0, -2:] = 0  # one padded sequence
+            return (), {"input_ids": ids, "attention_mask": mask,
+                        "labels": torch.randint(0, 3, (batch,), generator=g)}
+        return (), {"input_ids": ids, "labels": torch.randint(3, VOCAB, (batch, SEQ), generator=g)}
+    size = 32
+    return (torch.randn(batch, 3, size, size, generator=g),), {}
+
+
+_KIND = {"gpt2": "causal", "llama": "causal", "bert": "classify", "t5": "seq2seq", "bart": "seq2seq"}
+
+
+def build(name: str, batch: int, seed: int = 0):
+    """(module, args, kwargs), the same weights for the same seed on every process."""
+    torch.manual_seed(seed)
+    module = _hf(name)[0] if FAMILIES[name] == "transformers" else _vision(name)
+    for m in module.modules():  # deterministic training: no dropout
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    args, kwargs = batch_for_step(name, batch, 0)
+    return module, args, kwargs
+
+
+def loss_of(name: str, out, args, kwargs, step: int = 0):
+    """The training loss of one call: the model's own for transformers, a
+    cross-entropy on the logits (computed outside the model) for vision."""
+    if FAMILIES[name] == "transformers":
+        return out.loss
+    batch = args[0].shape[0]
+    target = torch.randint(0, 5, (batch,), generator=torch.Generator().manual_seed(2000 + step))
+    return nn.functional.cross_entropy(out, target)
