@@ -226,6 +226,25 @@ def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
                 setattr(module, k, v)
 
 
+def _trace(module: torch.nn.Module, example_inputs: tuple) -> OpGraph:
+    tracer = _Tracer(module, example_inputs)
+    name = type(module).__name__
+    try:
+        g = tracer.trace(module)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure gets one clear error
+        where = _user_frame(e.__traceback__)
+        at = f" at {where}" if where else ""
+        raise TraceError(
+            f"cannot trace {name}{at}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "torch.fx needs control flow that does not depend on tensor values; shape reads are "
+            "fine. Move data-dependent code out of forward(), or wrap it in a leaf module "
+            "(it then runs as one opaque op)."
+        ) from e
+    return _build_graph(module, g, example_inputs)
+
+
 def _trace_export(module: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
     from .capture import export_graph
     name = type(module).__name__

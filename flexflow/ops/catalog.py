@@ -268,7 +268,7 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     else packed flat (and then it runs whole)."""
     v = b.value
     same = all(t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
-    if name == "lstm_cell" and same:
+    if name == "lstm_cell" and same and module is not None:
         args, kwargs = b.template()
         flat = [a for a in _flatten(args) if isinstance(a, InputRef)]
         op = b.make("lstm_cell", "lstm_cell", output_shape=(2,) + tuple(v[0].shape), dtype=v[0].dtype,
@@ -290,6 +290,10 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     if module is not None:
         op.module_path = b.node.target
         _module_params(b, op, module)
+    else:
+        for local, q in b.params.items():
+            op.params[local] = q
+            op.param_shapes[local] = tuple(_param_value(b, q).shape)
     return op
 
 
