@@ -23,6 +23,7 @@ op names at the leaves.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import operator
 from typing import Any
@@ -157,6 +158,13 @@ def _packet(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
+class _Constants:
+    """Holds one captured graph's constants; graphs are read by attribute path."""
+
+
+_HOLDERS = itertools.count()
+
+
 class _Value:
     """A constant folded at capture time."""
 
@@ -181,12 +189,15 @@ def _rebuild(root, ep, args, kwargs):
     user_i = 0
     nconst = [0]
 
+    holder = _Constants()  # this graph's folded constants, beside (not inside) the module's state
+    hname = f"_ff_capture{next(_HOLDERS)}"
+    root.__dict__[hname] = holder
+
     def const_node(t: torch.Tensor, like: fx.Node):
         i = nconst[0]
         nconst[0] += 1
-        name = f"_ff_constant{i}"
-        setattr(root, name, t)
-        n = g.get_attr(name)
+        setattr(holder, f"c{i}", t)
+        n = g.create_node("get_attr", f"{hname}.c{i}", name=f"ff_constant{i}")
         n.meta.update(_meta(like))
         n.meta["ff_value"] = t
         return n

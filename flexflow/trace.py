@@ -199,7 +199,7 @@ def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
     # as _tensor_constant{i}, numbered after those an earlier trace left (which
     # would rename the constant ops and change the graph's fingerprint).
     saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-    prefixes = ("_tensor_constant", "_ff_constant")
+    prefixes = ("_tensor_constant",)
     stale = {k: v for k, v in vars(module).items() if k.startswith(prefixes)}
     for k in stale:
         delattr(module, k)

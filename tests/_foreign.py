@@ -127,3 +127,70 @@ def loss_of(name: str, out, args, kwargs, step: int = 0):
     batch = args[0].shape[0]
     target = torch.randint(0, 5, (batch,), generator=torch.Generator().manual_seed(2000 + step))
     return nn.functional.cross_entropy(out, target)
+
+
+# --------------------------------------------------------------------------- 2-process worker
+LR = 0.05
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-3) if b.numel() else 0.0
+
+
+def _train(model, name: str, batch: int, steps: int):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        args, kwargs = batch_for_step(name, batch, step)
+        loss = loss_of(name, model(*args, **kwargs), args, kwargs, step)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def train_equal(rank: int, names, specs, batch: int = 4, steps: int = 2):
+    """Every rank trains each model ``steps`` SGD steps under each strategy spec
+    ("searched": parallelize searches; "random:SEED"); rank 0 also trains the
+    plain module in one process and reports the largest relative errors of
+    the losses and of every state_dict tensor."""
+    import copy
+
+    import torch.distributed as dist
+
+    import flexflow as ff
+    from flexflow.machine import Machine
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    machine = Machine.preset("cpu", devices=world)
+    out = []
+    for name in names:
+        module, args, kwargs = build(name, batch)
+        module.train()
+        init = copy.deepcopy(module.state_dict())
+        ref_losses = ref_state = None
+        if rank == 0:
+            ref = copy.deepcopy(module)
+            ref_losses = _train(ref, name, batch, steps)
+            ref_state = ref.state_dict()
+        graph = ff.trace(module, args, kwargs)
+        for spec in specs:
+            module.load_state_dict(init)
+            strategy = None
+            if spec.startswith("random:"):
+                strategy = ff.Strategy.random(graph, machine, int(spec.split(":")[1])).to_json()
+            par = ff.parallelize(module, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
+                                 machine=machine, budget=1.0)
+            losses = _train(par, name, batch, steps)
+            state = par.state_dict()
+            rec = {"model": name, "spec": spec, "losses": losses, "strategy": par.strategy.to_json(),
+                   "exchanges": par.runtime.num_exchanges}
+            if rank == 0:
+                rec["loss_err"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref_losses))
+                rec["param_err"], rec["worst"] = max((_rel_err(state[k], v), k) for k, v in ref_state.items())
+                rec["keys_match"] = sorted(state) == sorted(ref_state)
+            out.append(rec)
+    return out
