@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import os
 import operator
 from typing import Any
 
@@ -312,6 +311,13 @@ def _functionalize(node, env, g, use, real):
             return  # a write into a buffer (BatchNorm's counter): the rules keep that state
         raise CaptureError(f"cannot capture the in-place {node.target} ({node.name}) at {_where(node)}: "
                            "it writes into a model input; write into a copy instead")
+    functional = _functional_of(node.target) if not path else None
+    if functional is not None and not isinstance(env.get(target), _Value):
+        n = g.call_function(functional, use(tuple(node.args)), use(dict(node.kwargs)))  # x += y -> x + y
+        n.meta.update(_meta(node))
+        n.meta["ff_value"] = node.meta.get("val")
+        env[target] = env[node] = n
+        return
     ins = [target] + [a for a in node.all_input_nodes if a is not node.args[0]]
     if all(isinstance(env.get(a), _Value) for a in ins):
         env[target] = _Value(write_into(env[target].tensor, path, node.target, *real(rest), **real(node.kwargs)))
@@ -325,10 +331,18 @@ def _functionalize(node, env, g, use, real):
         env[node] = env[target]
 
 
+def _functional_of(target):
+    """aten.add_.Tensor -> aten.add.Tensor (None when there is no such overload)."""
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
 def _where(node) -> str:
-    import re
-    hits = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    return f"{os.path.basename(hits[-1][0])}:{hits[-1][1]}" if hits else node.name
+    from .trace import _source_of
+    return _source_of(node) or node.name
 
 
 def _fetch(root, qual: str):

@@ -49,7 +49,7 @@ _MODULE_KINDS = {
     nn.GELU: "gelu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu", nn.ELU: "elu",
     nn.LeakyReLU: "leaky_relu", nn.Hardtanh: "hardtanh", nn.Dropout: "dropout",
     nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d", nn.Identity: "identity",
-    nn.Hardswish: "hardswish", nn.Softplus: "softplus", nn.Mish: "mish",
+    nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid", nn.Softplus: "softplus", nn.Mish: "mish",
 }
 _ATEN_NAMES = {"__and__": "and_", "__or__": "or_", "alias": "identity", "lift_fresh_copy": "clone",
                "split_with_sizes": "split", "unbind": "unbind", "concat": "cat"}

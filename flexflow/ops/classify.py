@@ -130,24 +130,9 @@ def classify(b, name, module) -> Op:
     # -- normalization, softmax -------------------------------------------------
     if name == "batch_norm" and module is not None:
         return module_op("batch_norm", "batchnorm", {"eps": module.eps, "momentum": module.momentum})
-    if name == "batch_norm" and module is None and len(x_in) == 1:
-        # F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
-        op = b.make("batch_norm", "batchnorm", attrs={"training": bool(_get(av, kv, 5, "training", False)),
-                                                      "momentum": _get(av, kv, 6, "momentum", 0.1),
-                                                      "eps": _get(av, kv, 7, "eps", 1e-5)}, **mk)
-        refs = {1: "running_mean", 2: "running_var", 3: "weight", 4: "bias"}
-        ok = True
-        for pos, local in refs.items():
-            ref = _get(at, kt, pos, local)
-            if isinstance(ref, ParamRef):
-                q = b.params[ref.name]
-                op.params[local] = q
-                op.param_shapes[local] = tuple(_param_shape(b, q))
-            elif ref is not None:
-                ok = False
-        if ok:
-            return op
-        return _opaque(b, name, module, at, kt)
+    if name == "batch_norm" and module is None and x_in:
+        op = _functional_batch_norm(b, av, kv, at, kt, mk)
+        return op if op is not None else _opaque(b, name, module, at, kt)
     if name == "layer_norm":
         if module is not None:
             k = len(module.normalized_shape)
@@ -267,6 +252,38 @@ def classify(b, name, module) -> Op:
             return op
         return b.make(name, "pointwise", attrs=attrs, **mk)
     return _opaque(b, name, module, at, kt)
+
+
+def _functional_batch_norm(b, av, kv, at, kt, mk):
+    """F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    whose statistics are buffers of the module (timm's BatchNormAct2d, the ATen
+    form): the batchnorm rule with those buffers as the op's own state."""
+    buffers = dict(b.root.named_buffers())
+    x_in = b.inputs
+    if not isinstance(_get(at, kt, 0, "input"), InputRef) or _get(at, kt, 0, "input").index != 0:
+        return None
+    op = b.make("batch_norm", "batchnorm", attrs={"training": bool(_get(av, kv, 5, "training", False)),
+                                                  "momentum": _get(av, kv, 6, "momentum", 0.1),
+                                                  "eps": _get(av, kv, 7, "eps", 1e-5)}, **mk)
+    for pos, local in {1: "running_mean", 2: "running_var", 3: "weight", 4: "bias"}.items():
+        ref = _get(at, kt, pos, local)
+        if isinstance(ref, ParamRef):
+            q = b.params[ref.name]
+            op.params[local] = q
+            op.param_shapes[local] = tuple(_param_shape(b, q))
+        elif isinstance(ref, InputRef):
+            src = b.ops_by_name[x_in[ref.index]]
+            if ref.index == 0 or src.kind != "constant" or src.target not in buffers:
+                return None
+            op.buffers[local] = src.target
+            op.buffer_shapes[local] = tuple(buffers[src.target].shape)
+        elif ref is not None:
+            return None
+    if len(op.output_shape) < 2 or any(len(s) != 1 or s[0] != op.output_shape[1]
+                                       for s in list(op.param_shapes.values()) + list(op.buffer_shapes.values())):
+        return None
+    op.inputs, op.input_shapes, op.input_dtypes = op.inputs[:1], op.input_shapes[:1], op.input_dtypes[:1]
+    return op
 
 
 def _params_broadcast(b) -> bool:
