@@ -150,11 +150,31 @@ def _train(model, name: str, batch: int, steps: int):
     return losses
 
 
+def _make_strategy(spec: str, graph, machine):
+    import random
+
+    import flexflow as ff
+    kind, _, seed = spec.partition(":")
+    s = ff.Strategy.random(graph, machine, int(seed))
+    if kind == "bnchannel":
+        rng = random.Random(int(seed))
+        for members in graph.groups.values():
+            op = graph.op(members[0])
+            if op.rule == "batchnorm":
+                ok = [c for c in ff.candidate_configs(op, machine) if set(c.degrees) <= {"c"}]
+                s = s.replace(op.name, rng.choice(ok))
+    return s
+
+
 def train_equal(rank: int, names, specs, batch: int = 4, steps: int = 2):
-    """Every rank trains each model ``steps`` SGD steps under each strategy spec
-    ("searched": parallelize searches; "random:SEED"); rank 0 also trains the
-    plain module in one process and reports the largest relative errors of
-    the losses and of every state_dict tensor."""
+    """Every rank trains each model ``steps`` SGD steps under each strategy spec;
+    rank 0 also trains the plain module in one process and reports the largest
+    relative errors of the losses and of every state_dict tensor.
+
+    Specs: "searched" (parallelize searches), "random:SEED", "bnchannel:SEED"
+    (random, but BatchNorm split along channels or whole: train-mode
+    statistics stay exact); "@eval" trains in eval mode (BatchNorm on running
+    statistics: a sample split is then exact too)."""
     import copy
 
     import torch.distributed as dist
@@ -166,30 +186,28 @@ def train_equal(rank: int, names, specs, batch: int = 4, steps: int = 2):
     world = dist.get_world_size()
     machine = Machine.preset("cpu", devices=world)
     out = []
-    for name in names:
+    for name, spec in ((n, s) for n in names for s in specs[n]):
         module, args, kwargs = build(name, batch)
-        module.train()
-        init = copy.deepcopy(module.state_dict())
+        spec, _, mode = spec.partition("@")
+        module.train(mode != "eval")
         ref_losses = ref_state = None
         if rank == 0:
             ref = copy.deepcopy(module)
             ref_losses = _train(ref, name, batch, steps)
             ref_state = ref.state_dict()
         graph = ff.trace(module, args, kwargs)
-        for spec in specs:
-            module.load_state_dict(init)
-            strategy = None
-            if spec.startswith("random:"):
-                strategy = ff.Strategy.random(graph, machine, int(spec.split(":")[1])).to_json()
-            par = ff.parallelize(module, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
-                                 machine=machine, budget=1.0)
-            losses = _train(par, name, batch, steps)
-            state = par.state_dict()
-            rec = {"model": name, "spec": spec, "losses": losses, "strategy": par.strategy.to_json(),
-                   "exchanges": par.runtime.num_exchanges}
-            if rank == 0:
-                rec["loss_err"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref_losses))
-                rec["param_err"], rec["worst"] = max((_rel_err(state[k], v), k) for k, v in ref_state.items())
-                rec["keys_match"] = sorted(state) == sorted(ref_state)
-            out.append(rec)
+        strategy = None
+        if spec != "searched":
+            strategy = _make_strategy(spec, graph, machine).to_json()
+        par = ff.parallelize(module, example_inputs=args, example_kwargs=kwargs, strategy=strategy,
+                             machine=machine, budget=1.0)
+        losses = _train(par, name, batch, steps)
+        state = par.state_dict()
+        rec = {"model": name, "spec": spec + ("@" + mode if mode else ""), "losses": losses,
+               "strategy": par.strategy.to_json(), "exchanges": par.runtime.num_exchanges}
+        if rank == 0:
+            rec["loss_err"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref_losses))
+            rec["param_err"], rec["worst"] = max((_rel_err(state[k], v), k) for k, v in ref_state.items())
+            rec["keys_match"] = sorted(state) == sorted(ref_state)
+        out.append(rec)
     return out
