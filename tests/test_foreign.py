@@ -22,12 +22,12 @@ import _foreign as Fo
 TOL = 1e-5
 # ops that stay opaque, and why (README "Models from libraries")
 ALLOWED_OPAQUE = {
-    "gpt2": {"pad"}, "llama": {"pad"},  # labels shifted with F.pad(value=-100)
+    "gpt2": set(), "llama": set(),
     "bert": {"index"},  # the padding mask gathered with absolute batch indices
     "t5": {"new_zeros", "write_into"}, "bart": {"new_zeros", "write_into"},  # shift_tokens_right
     "vit": {"expand"},  # the class token (a parameter) expanded to the batch
     "convnext": {"reshape"},  # layer scale (a parameter) reshaped
-    "swin": {"pad", "getitem"},  # window padding; relative position bias gathered by index
+    "swin": {"getitem"},  # relative position bias gathered by index
     "efficientnet": set(), "mobilenetv3": set(),
     "tv_resnet18": set(), "tv_mobilenet_v3_small": set(), "tv_convnext_tiny": set(),
 }

@@ -201,6 +201,15 @@ def classify(b, name, module) -> Op:
             op.inputs, op.input_shapes, op.input_dtypes = op.inputs[:1], op.input_shapes[:1], op.input_dtypes[:1]
             return op
         return _opaque(b, name, module, at, kt)
+    if name == "pad":
+        pad, mode = _get(av, kv, 1, "pad"), _get(av, kv, 2, "mode", "constant")
+        if (len(x_in) == 1 and not b.params and at and at[0] == InputRef(0) and mode == "constant"
+                and isinstance(pad, (tuple, list)) and len(pad) % 2 == 0):
+            rank = len(b.value.shape)
+            padded = {rank - 1 - i // 2 for i, p in enumerate(pad) if p}
+            amap = [None if a in padded else a for a in range(rank)]
+            return b.make(name, "pad", attrs={"axis_map": amap}, **mk)
+        return _opaque(b, name, module, at, kt)
     if name in ("transpose", "permute", "t", "swapaxes", "swapdims", "movedim"):
         if len(x_in) == 1 and not b.params:
             rank = len(b.value.shape)
