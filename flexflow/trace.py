@@ -287,6 +287,8 @@ def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
         if node.op == "output":
             outputs = map_aggregate(node.args[0], lambda n: by_node.get(n) if isinstance(n, fx.Node) else n)
             continue
+        if _counts_batches(root, node):
+            continue
         if node.op == "get_attr" and id(_fetch_attr(root, node.target)) in param_names:
             by_node[node] = ("param", param_names[id(_fetch_attr(root, node.target))])
             continue
@@ -304,6 +306,16 @@ def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
     everywhere = {op.name for op in ops if op.everywhere}
     opaque = [name for name in opaque if name not in everywhere]
     return OpGraph(ops, outputs, module=root, batch_size=batch, opaque=opaque)
+
+
+def _counts_batches(root, node: fx.Node) -> bool:
+    """``self.num_batches_tracked.add_(1)`` of a BatchNorm written with F.batch_norm
+    (timm's BatchNormAct2d): the batchnorm rule keeps that count itself."""
+    if node.op != "call_method" or node.target != "add_" or node.users or not node.args:
+        return False
+    src = node.args[0]
+    return (isinstance(src, fx.Node) and src.op == "get_attr"
+            and str(src.target).endswith("num_batches_tracked"))
 
 
 _RANDOM_KINDS = {"dropout", "dropout2d", "alpha_dropout", "rand", "randn", "rand_like",

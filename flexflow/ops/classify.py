@@ -291,6 +291,10 @@ def _functional_batch_norm(b, av, kv, at, kt, mk):
     if len(op.output_shape) < 2 or any(len(s) != 1 or s[0] != op.output_shape[1]
                                        for s in list(op.param_shapes.values()) + list(op.buffer_shapes.values())):
         return None
+    counter = op.buffers.get("running_mean", "").rsplit(".", 1)[0] + ".num_batches_tracked"
+    if op.attrs["training"] and counter in buffers:  # the rule counts batches, as BatchNorm2d does
+        op.buffers["num_batches_tracked"] = counter
+        op.buffer_shapes["num_batches_tracked"] = tuple(buffers[counter].shape)
     op.inputs, op.input_shapes, op.input_dtypes = op.inputs[:1], op.input_shapes[:1], op.input_dtypes[:1]
     return op
 
