@@ -263,7 +263,7 @@ def _trace_export(module: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph
 def _export_error(name: str, e: Exception) -> str:
     from .capture import CaptureError
     if isinstance(e, CaptureError):
-        return f"{name}: {e}"
+        return f"{name}: {str(e).strip().splitlines()[0]}"
     where = _user_frame(e.__traceback__)
     at = f" at {where}" if where else ""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
