@@ -73,6 +73,14 @@ def test_attention_splits_heads_and_rows_but_not_causal_rows():
     for seed in range(4):
         out = run_graph(g, Att(), (q, k, v), ff.Strategy.random(g, machine, seed))
         torch.testing.assert_close(out, Att()(q, k, v), rtol=1e-5, atol=1e-6)
+    # attention dropout draws per partition (as dropout does): still an attention op
+    g = ff.trace(_Drop(), (q, k, v), frontend="export")
+    assert [op.kind for op in g.compute_ops] == ["attention"]
+
+
+class _Drop(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
 
 
 def test_dataclass_and_tuple_outputs_keep_their_type():

@@ -114,7 +114,7 @@ def classify(b, name, module) -> Op:
         from .attention import attention_attrs
         shapes = [b.ops_by_name[i].output_shape for i in x_in]
         attrs = attention_attrs(at, kt, shapes) if not b.params else None
-        if attrs is not None and attrs["dropout_p"] == 0.0:
+        if attrs is not None:  # attention dropout draws per partition, as dropout does
             return b.make("attention", "attention", attrs=attrs, **mk)
         return _opaque(b, name, module, at, kt)
     if name in ("matmul", "bmm", "mm"):
