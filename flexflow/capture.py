@@ -8,7 +8,7 @@ that graph back into the functional form the partition rules know:
 
 - parameters and buffers become ``get_attr`` nodes on the user's module (by
   their qualified names), user inputs placeholders (tensors only, in the
-  order of ``flatten_call``);
+  order of ``CallSpec.flatten``);
 - every ATen op with a rule is rewritten to its ``torch.nn.functional`` /
   ``torch`` form (``_TRANSLATE``); the others keep their ATen target and
   become opaque ops (sample split or whole);
@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-__all__ = ["export_graph", "flatten_call", "CallSpec", "CaptureError", "linear_t", "write_into"]
+__all__ = ["export_graph", "CallSpec", "CaptureError", "linear_t", "write_into"]
 
 aten = torch.ops.aten
 
@@ -65,11 +65,6 @@ class CallSpec:
         ordered = {k: kwargs.get(k, v) for k, v in self.kwargs.items()}
         leaves, _ = pytree.tree_flatten((tuple(args), ordered))
         return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
-def flatten_call(args, kwargs) -> list:
-    leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def _with_defaults(module, kwargs: dict) -> dict:
@@ -256,7 +251,6 @@ def _rebuild(root, ep, args, kwargs):
             raise CaptureError(f"cannot capture {node.target} ({node.name}) at {_where(node)}: "
                                f"{type(e).__name__}: {e}") from e
     # outputs: the user's, in the order of the output spec
-    user_outs = [s.arg.name for s in sig.output_specs if s.kind.name == "USER_OUTPUT"]
     by_name = {a.name: a for a in out_node.args[0] if isinstance(a, fx.Node)}
     flat = []
     for s in sig.output_specs:
@@ -264,7 +258,6 @@ def _rebuild(root, ep, args, kwargs):
             continue
         arg = by_name.get(getattr(s.arg, "name", None))
         flat.append(use(arg) if arg is not None else getattr(s.arg, "value", None))
-    assert len(flat) == len(user_outs)
     g.output(tuple(flat))
     g.eliminate_dead_code()
     tensors = [x for x in user_leaves if isinstance(x, torch.Tensor)]
