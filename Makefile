@@ -2,7 +2,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo install clean
+EXT := .venv-ext
+
+.PHONY: test test-ext demo install clean
 
 $(BIN)/flexflow: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +17,21 @@ install: $(BIN)/flexflow
 test: install
 	$(BIN)/python -m pytest -q
 
+# Optional suite: models as transformers, timm and torchvision ship them
+# (tests/test_foreign.py). torchvision needs its own torch release, so these
+# live in a separate environment; the main suite skips them.
+$(EXT)/bin/flexflow: pyproject.toml
+	test -x $(EXT)/bin/python || $(PY) -m venv $(EXT)
+	$(EXT)/bin/pip install -q --upgrade pip
+	$(EXT)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(EXT)/bin/pip install -q -e '.[dev,ext]'
+	touch $(EXT)/bin/flexflow
+
+test-ext: $(EXT)/bin/flexflow
+	$(EXT)/bin/python -m pytest -q tests/test_foreign.py tests/test_capture.py
+
 demo: install
 	$(BIN)/python examples/demo.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(EXT) build *.egg-info

@@ -127,8 +127,8 @@ class ParallelModule(nn.Module):
         """This rank's program in words: what it runs, sends, waits for and reduces, in order."""
         return describe(self._runtime)
 
-    def forward(self, *inputs):
-        return self._runtime.run(inputs)
+    def forward(self, *inputs, **kwargs):
+        return self._runtime.run(self._runtime.graph.flat_inputs(inputs, kwargs))
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -208,9 +208,9 @@ def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd") -> S
     return search(graph, machine, budget=budget, optimizer=optimizer).strategy
 
 
-def _trace_clean(module: nn.Module, example_inputs):
+def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None):
     """trace() leaves the module's buffers and attributes as they were."""
-    return trace(module, example_inputs)
+    return trace(module, example_inputs, example_kwargs)
 
 
 def _reuse_graph(strategy, module, example_inputs):
@@ -292,7 +292,8 @@ def _broadcast_state(module: nn.Module, device) -> None:
                 off += t.numel()
 
 
-def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strategy=None, budget: float = 30.0,
+def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example_kwargs=None,
+                strategy=None, budget: float = 30.0,
                 machine: Machine | None = None, timeout_s: float | None = None,
                 bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True,
                 optimizer: str = "sgd") -> ParallelModule:
@@ -302,7 +303,9 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
     same module (structure), inputs shapes and arguments.  ``devices`` is
     None (every rank), a count (ranks 0..n-1) or a list of ranks; device k
     of the strategy runs on ``ranks[k]``; the other ranks hold nothing but
-    still return the outputs.  ``example_inputs`` fix every shape (required).
+    still return the outputs.  ``example_inputs`` fix every shape (required;
+    keyword inputs go in ``example_kwargs`` and the module is then called
+    with the same keywords).
     Without ``strategy``, rank 0 searches for ``budget`` seconds and
     broadcasts the result.  ``timeout_s`` (default $FLEXFLOW_TIMEOUT_S or
     300) bounds every wait on a peer.  Rank 0's parameters and buffers are
@@ -310,6 +313,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
     ``optimizer`` ("sgd", "momentum", "adam"): the optimizer the caller will
     use, whose state counts in the memory the searched strategy must fit.
     """
+    if example_inputs is None and example_kwargs:
+        example_inputs = ()
     optimizer_state_copies(optimizer)  # a clear error for an unknown kind, on every rank
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: a batch with the shapes and dtypes of the "
@@ -344,7 +349,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, strateg
         elif machine.num_devices != len(ranks):
             raise ValueError(f"machine {machine.name!r} has {machine.num_devices} devices but "
                              f"{len(ranks)} ranks take part ({ranks})")
-        graph = _reuse_graph(strategy, module, example_inputs) or _trace_clean(module, example_inputs)
+        graph = ((None if example_kwargs else _reuse_graph(strategy, module, example_inputs))
+                 or _trace_clean(module, example_inputs, example_kwargs))
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         if not distributed:
             raise

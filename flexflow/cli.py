@@ -21,7 +21,8 @@ def _paper_batch(name: str) -> int:
 
 
 def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True):
-    """(module, example_inputs, label) for a zoo name or ``path/file.py:factory``.
+    """(module, example_inputs, label) for a zoo name or ``path/file.py:factory``
+    (a factory may return a dict of keyword inputs as its example inputs).
 
     Zoo models at paper size are built on the meta device (planning needs
     shapes, not values) unless ``meta`` is False."""
@@ -54,9 +55,18 @@ def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True
     if not (isinstance(out, tuple) and len(out) == 2):
         raise CLIError(f"{spec}: factory must return (module, example_inputs), got {type(out).__name__}")
     module, inputs = out
+    if isinstance(inputs, dict):  # keyword inputs: module(**inputs)
+        return module, inputs, spec
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
     return module, tuple(inputs), spec
+
+
+def _trace(module, inputs):
+    from .trace import trace
+    if isinstance(inputs, dict):
+        return trace(module, (), inputs)
+    return trace(module, inputs)
 
 
 def _machine(args):
@@ -94,9 +104,8 @@ def cmd_models(args) -> int:
 def cmd_trace(args) -> int:
     from .machine import Machine
     from .strategy import strategy_space_log10
-    from .trace import trace
     module, inputs, label = load_model(args.model, args.batch)
-    graph = trace(module, inputs)
+    graph = _trace(module, inputs)
     rows = []
     for op in graph.ops:
         params = sum(math.prod(s) for s in op.param_shapes.values())
@@ -146,8 +155,7 @@ def cmd_profile(args) -> int:
         if not torch.cuda.is_available():
             raise CLIError("--device cuda: no CUDA device here")
     module, inputs, label = load_model(args.model, args.batch, meta=True)
-    from .trace import trace
-    graph = trace(module, inputs)
+    graph = _trace(module, inputs)
     rep = profile.profile_graph(graph, device=args.device, progress=not args.json and sys.stderr.isatty())
     if args.json:
         print(json.dumps({"model": label, "device": args.device, "ops": rep.ops,
@@ -212,9 +220,8 @@ def _memory_per_device(res) -> str:
 def cmd_simulate(args) -> int:
     machine = _machine(args)
     from .simulate import Simulator
-    from .trace import trace
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
-    graph = trace(module, inputs)
+    graph = _trace(module, inputs)
     strategy = _strategy_arg(args.strategy, graph, machine)
     sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer)
     res = sim.simulate(strategy, incremental=False)
@@ -240,9 +247,8 @@ def _cost_model(machine):
 def cmd_search(args) -> int:
     machine = _machine(args)
     from .search import search
-    from .trace import trace
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
-    graph = trace(module, inputs)
+    graph = _trace(module, inputs)
     init = None
     if args.init:
         init = _strategy_arg(args.init, graph, machine)

@@ -147,6 +147,17 @@ class OpGraph:
             groups.setdefault(op.group, []).append(op.name)
         self.groups = groups
         self._fingerprint: str | None = None
+        self.call_spec = None  # capture.CallSpec when traced with keyword inputs (export)
+        self.frontend = "fx"  # "fx" or "export": which front end made the graph
+
+    def flat_inputs(self, args, kwargs=None) -> list:
+        """The tensors of a call ``module(*args, **kwargs)``, in the order of the
+        graph's input ops."""
+        if self.call_spec is not None:
+            return self.call_spec.flatten(tuple(args), dict(kwargs or {}))
+        if kwargs:
+            raise TypeError(f"the model was traced with positional inputs only, got keywords {sorted(kwargs)}")
+        return [x for x in args if isinstance(x, torch.Tensor)]
 
     def __len__(self) -> int:
         return len(self.ops)

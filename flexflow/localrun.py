@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from .ir import Op, OpGraph
 from .ops import RULES
@@ -90,11 +91,16 @@ def constant_value_of(op: Op, module) -> torch.Tensor:
 
 
 def fill_outputs(x: Any, values):
-    """The graph's output structure with each op name replaced by its value."""
-    if isinstance(x, str) and x in values:
-        return values[x]
-    if isinstance(x, (list, tuple)):
+    """The graph's output structure with each op name replaced by its value
+    (tuples, lists, dicts, named tuples and pytree-registered classes such as
+    Hugging Face's ModelOutput keep their type)."""
+    if isinstance(x, str):
+        return values.get(x, x)
+    if isinstance(x, (list, tuple, dict)) and type(x) in (list, tuple, dict):
+        if isinstance(x, dict):
+            return {k: fill_outputs(v, values) for k, v in x.items()}
         return type(x)(fill_outputs(y, values) for y in x)
-    if isinstance(x, dict):
-        return {k: fill_outputs(v, values) for k, v in x.items()}
-    return x
+    leaves, spec = pytree.tree_flatten(x)
+    if len(leaves) == 1 and leaves[0] is x:
+        return x
+    return pytree.tree_unflatten([fill_outputs(y, values) for y in leaves], spec)

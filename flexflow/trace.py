@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # fx patches these while it traces; evaluating a leaf module needs the originals
@@ -169,24 +170,53 @@ def _source_of(node: fx.Node) -> str:
     return ""
 
 
-def trace(module: torch.nn.Module, example_inputs) -> OpGraph:
-    """Trace ``module`` called on ``example_inputs`` into an :class:`OpGraph`."""
+def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
+          frontend: str | None = None) -> OpGraph:
+    """Trace ``module(*example_inputs, **example_kwargs)`` into an :class:`OpGraph`.
+
+    ``frontend`` (default ``$FLEXFLOW_FRONTEND`` or ``"auto"``): ``"fx"`` is the
+    shape-aware symbolic tracer, ``"export"`` torch.export's training IR
+    (:mod:`flexflow.capture`); ``"auto"`` tries fx on positional-only calls and
+    falls back to export when fx cannot trace the model.
+    """
     if example_inputs is None:
-        raise ValueError("example_inputs are required: they fix the shapes of every op")
+        if not example_kwargs:
+            raise ValueError("example_inputs are required: they fix the shapes of every op")
+        example_inputs = ()
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"trace() needs an nn.Module, got {type(module).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict, got {type(example_kwargs).__name__}")
+    frontend = frontend or os.environ.get("FLEXFLOW_FRONTEND", "auto")
+    if frontend not in ("auto", "fx", "export"):
+        raise ValueError(f"frontend must be 'auto', 'fx' or 'export', got {frontend!r}")
+    if example_kwargs and frontend == "fx":
+        raise ValueError("the fx front end takes positional inputs only; use frontend='export'")
     # Tracing has two side effects we undo: evaluating train-mode BatchNorm
     # bumps num_batches_tracked, and fx stores tensor constants on the module
     # as _tensor_constant{i}, numbered after those an earlier trace left (which
     # would rename the constant ops and change the graph's fingerprint).
     saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-    stale = {k: v for k, v in vars(module).items() if k.startswith("_tensor_constant")}
+    prefixes = ("_tensor_constant",)
+    stale = {k: v for k, v in vars(module).items() if k.startswith(prefixes)}
     for k in stale:
         delattr(module, k)
     try:
-        return _trace(module, tuple(example_inputs))
+        if frontend == "export" or example_kwargs:
+            return _trace_export(module, tuple(example_inputs), example_kwargs or {})
+        try:
+            return _trace(module, tuple(example_inputs))
+        except Exception as fx_error:  # noqa: BLE001 - the export front end gets its turn
+            if frontend == "fx":
+                raise
+            for k in [k for k in vars(module) if k.startswith(prefixes)]:
+                delattr(module, k)
+            try:
+                return _trace_export(module, tuple(example_inputs), {})
+            except TraceError as e:
+                raise TraceError(f"{e} (the fx tracer failed too: {str(fx_error).splitlines()[0]})") from e
     finally:
         with torch.no_grad():
             for b, v in saved:
@@ -215,6 +245,36 @@ def _trace(module: torch.nn.Module, example_inputs: tuple) -> OpGraph:
     return _build_graph(module, g, example_inputs)
 
 
+def _trace_export(module: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+    from .capture import export_graph
+    name = type(module).__name__
+    try:
+        g, tensors, out_spec, call_spec = export_graph(module, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - any capture failure gets one clear error
+        raise TraceError(_export_error(name, e)) from e
+    graph = _build_graph(module, g, tuple(tensors))
+    names = list(graph.outputs) if isinstance(graph.outputs, (tuple, list)) else [graph.outputs]
+    graph.outputs = pytree.tree_unflatten(names, out_spec)
+    graph.call_spec = call_spec
+    graph.frontend = "export"
+    return graph
+
+
+def _export_error(name: str, e: Exception) -> str:
+    from .capture import CaptureError
+    if isinstance(e, CaptureError):
+        return f"{name}: {str(e).strip().splitlines()[0]}"
+    where = _user_frame(e.__traceback__)
+    at = f" at {where}" if where else ""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    op = re.search(r"(aten\.[A-Za-z0-9_.]+)", str(e))
+    what = f" in op {op.group(1)}" if op else ""
+    return (f"cannot capture {name}{at}{what}: {type(e).__name__}: {first}. torch.export needs "
+            "control flow that does not depend on tensor values (use torch.cond, or move that code "
+            "out of forward()), and outputs made of tensors, tuples, lists, dicts and registered "
+            "dataclasses.")
+
+
 def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
     param_names = {id(p): n for n, p in root.named_parameters()}
     batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
@@ -226,6 +286,8 @@ def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
         value = node.meta.get("ff_value")
         if node.op == "output":
             outputs = map_aggregate(node.args[0], lambda n: by_node.get(n) if isinstance(n, fx.Node) else n)
+            continue
+        if _counts_batches(root, node):
             continue
         if node.op == "get_attr" and id(_fetch_attr(root, node.target)) in param_names:
             by_node[node] = ("param", param_names[id(_fetch_attr(root, node.target))])
@@ -241,7 +303,19 @@ def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
         by_node[node] = op.name
     _propagate_everywhere(ops)
     _assign_share_groups(ops)
+    everywhere = {op.name for op in ops if op.everywhere}
+    opaque = [name for name in opaque if name not in everywhere]
     return OpGraph(ops, outputs, module=root, batch_size=batch, opaque=opaque)
+
+
+def _counts_batches(root, node: fx.Node) -> bool:
+    """``self.num_batches_tracked.add_(1)`` of a BatchNorm written with F.batch_norm
+    (timm's BatchNormAct2d): the batchnorm rule keeps that count itself."""
+    if node.op != "call_method" or node.target != "add_" or node.users or not node.args:
+        return False
+    src = node.args[0]
+    return (isinstance(src, fx.Node) and src.op == "get_attr"
+            and str(src.target).endswith("num_batches_tracked"))
 
 
 _RANDOM_KINDS = {"dropout", "dropout2d", "alpha_dropout", "rand", "randn", "rand_like",

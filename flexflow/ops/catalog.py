@@ -49,8 +49,10 @@ _MODULE_KINDS = {
     nn.GELU: "gelu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu", nn.ELU: "elu",
     nn.LeakyReLU: "leaky_relu", nn.Hardtanh: "hardtanh", nn.Dropout: "dropout",
     nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d", nn.Identity: "identity",
-    nn.Hardswish: "hardswish", nn.Softplus: "softplus", nn.Mish: "mish",
+    nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid", nn.Softplus: "softplus", nn.Mish: "mish",
 }
+_ATEN_NAMES = {"__and__": "and_", "__or__": "or_", "alias": "identity", "lift_fresh_copy": "clone",
+               "split_with_sizes": "split", "unbind": "unbind", "concat": "cat"}
 _TUPLE_MAKERS = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes"}
 
 
@@ -60,6 +62,9 @@ def _name_of(node: fx.Node) -> str:
         return t
     if t in _OPERATOR_NAMES:
         return _OPERATOR_NAMES[t]
+    if isinstance(t, torch._ops.OpOverload):  # an ATen op the export front end kept
+        name = t.overloadpacket.__name__
+        return _ATEN_NAMES.get(name, name.strip("_"))
     return getattr(t, "__name__", str(t)).lstrip("_")
 
 
@@ -271,7 +276,7 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     else packed flat (and then it runs whole)."""
     v = b.value
     same = all(_is_tensor(t) and t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
-    if name == "lstm_cell" and same:
+    if name == "lstm_cell" and same and module is not None:
         args, kwargs = b.template()
         flat = [a for a in _flatten(args) if isinstance(a, InputRef)]
         op = b.make("lstm_cell", "lstm_cell", output_shape=(2,) + tuple(v[0].shape), dtype=v[0].dtype,
@@ -297,6 +302,10 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     if module is not None:
         op.module_path = b.node.target
         _module_params(b, op, module)
+    else:
+        for local, q in b.params.items():
+            op.params[local] = q
+            op.param_shapes[local] = tuple(_param_value(b, q).shape)
     return op
 
 

@@ -104,6 +104,19 @@ def classify(b, name, module) -> Op:
             if op is not None:
                 return op
         return _opaque(b, name, module, at, kt)
+    if name == "linear_t":  # x @ W + b, W stored (in, out): the export front end's GPT-2 Conv1D
+        if len(x_in) == 1 and isinstance(_get(at, kt, 1, "weight"), ParamRef):
+            op = fn_op("linear", "linear_t", {}, {1: "weight", 2: "bias"})
+            if op is not None:
+                return op
+        return _opaque(b, name, module, at, kt)
+    if name == "scaled_dot_product_attention":
+        from .attention import attention_attrs
+        shapes = [b.ops_by_name[i].output_shape for i in x_in]
+        attrs = attention_attrs(at, kt, shapes) if not b.params else None
+        if attrs is not None:  # attention dropout draws per partition, as dropout does
+            return b.make("attention", "attention", attrs=attrs, **mk)
+        return _opaque(b, name, module, at, kt)
     if name in ("matmul", "bmm", "mm"):
         if len(x_in) == 2 and not b.params and all(len(b.ops_by_name[i].output_shape) >= 2 for i in x_in):
             return b.make(name, "matmul", **mk)
@@ -117,6 +130,9 @@ def classify(b, name, module) -> Op:
     # -- normalization, softmax -------------------------------------------------
     if name == "batch_norm" and module is not None:
         return module_op("batch_norm", "batchnorm", {"eps": module.eps, "momentum": module.momentum})
+    if name == "batch_norm" and module is None and x_in:
+        op = _functional_batch_norm(b, av, kv, at, kt, mk)
+        return op if op is not None else _opaque(b, name, module, at, kt)
     if name == "layer_norm":
         if module is not None:
             k = len(module.normalized_shape)
@@ -185,6 +201,15 @@ def classify(b, name, module) -> Op:
             op.inputs, op.input_shapes, op.input_dtypes = op.inputs[:1], op.input_shapes[:1], op.input_dtypes[:1]
             return op
         return _opaque(b, name, module, at, kt)
+    if name == "pad":
+        pad, mode = _get(av, kv, 1, "pad"), _get(av, kv, 2, "mode", "constant")
+        if (len(x_in) == 1 and not b.params and at and at[0] == InputRef(0) and mode == "constant"
+                and isinstance(pad, (tuple, list)) and len(pad) % 2 == 0):
+            rank = len(b.value.shape)
+            padded = {rank - 1 - i // 2 for i, p in enumerate(pad) if p}
+            amap = [None if a in padded else a for a in range(rank)]
+            return b.make(name, "pad", attrs={"axis_map": amap}, **mk)
+        return _opaque(b, name, module, at, kt)
     if name in ("transpose", "permute", "t", "swapaxes", "swapdims", "movedim"):
         if len(x_in) == 1 and not b.params:
             rank = len(b.value.shape)
@@ -218,6 +243,12 @@ def classify(b, name, module) -> Op:
         return _opaque(b, name, module, at, kt)
 
     # -- element-wise ---------------------------------------------------------------
+    if name in POINTWISE and x_in and b.params and _broadcasts(b, x_in) and _params_broadcast(b):
+        op = fn_op(name, "pointwise", {})
+        for local, q in b.params.items():
+            op.params[local] = q
+            op.param_shapes[local] = tuple(_param_shape(b, q))
+        return op
     if name in POINTWISE and x_in and not b.params and _broadcasts(b, x_in):
         if module is not None and getattr(module, "inplace", False):
             module = copy.copy(module)
@@ -230,6 +261,51 @@ def classify(b, name, module) -> Op:
             return op
         return b.make(name, "pointwise", attrs=attrs, **mk)
     return _opaque(b, name, module, at, kt)
+
+
+def _functional_batch_norm(b, av, kv, at, kt, mk):
+    """F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    whose statistics are buffers of the module (timm's BatchNormAct2d, the ATen
+    form): the batchnorm rule with those buffers as the op's own state."""
+    buffers = dict(b.root.named_buffers())
+    x_in = b.inputs
+    if not isinstance(_get(at, kt, 0, "input"), InputRef) or _get(at, kt, 0, "input").index != 0:
+        return None
+    op = b.make("batch_norm", "batchnorm", attrs={"training": bool(_get(av, kv, 5, "training", False)),
+                                                  "momentum": _get(av, kv, 6, "momentum", 0.1),
+                                                  "eps": _get(av, kv, 7, "eps", 1e-5)}, **mk)
+    for pos, local in {1: "running_mean", 2: "running_var", 3: "weight", 4: "bias"}.items():
+        ref = _get(at, kt, pos, local)
+        if isinstance(ref, ParamRef):
+            q = b.params[ref.name]
+            op.params[local] = q
+            op.param_shapes[local] = tuple(_param_shape(b, q))
+        elif isinstance(ref, InputRef):
+            src = b.ops_by_name[x_in[ref.index]]
+            if ref.index == 0 or src.kind != "constant" or src.target not in buffers:
+                return None
+            op.buffers[local] = src.target
+            op.buffer_shapes[local] = tuple(buffers[src.target].shape)
+        elif ref is not None:
+            return None
+    if len(op.output_shape) < 2 or any(len(s) != 1 or s[0] != op.output_shape[1]
+                                       for s in list(op.param_shapes.values()) + list(op.buffer_shapes.values())):
+        return None
+    counter = op.buffers.get("running_mean", "").rsplit(".", 1)[0] + ".num_batches_tracked"
+    if op.attrs["training"] and counter in buffers:  # the rule counts batches, as BatchNorm2d does
+        op.buffers["num_batches_tracked"] = counter
+        op.buffer_shapes["num_batches_tracked"] = tuple(buffers[counter].shape)
+    op.inputs, op.input_shapes, op.input_dtypes = op.inputs[:1], op.input_shapes[:1], op.input_dtypes[:1]
+    return op
+
+
+def _params_broadcast(b) -> bool:
+    out = tuple(b.value.shape)
+    for q in b.params.values():
+        s = tuple(_param_shape(b, q))
+        if len(s) > len(out) or any(a != o and a != 1 for a, o in zip(reversed(s), reversed(out))):
+            return False
+    return True
 
 
 def _broadcasts(b, x_in) -> bool:

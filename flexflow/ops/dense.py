@@ -180,3 +180,22 @@ class LSTMCell(Rule):
         x_in = op.input_shapes[0][1]
         H = op.output_shape[2] if len(op.input_shapes) == 3 else 0  # no state: no h @ W_hh
         return 2.0 * n * 4 * hs * (x_in + H) + 12.0 * n * hs
+
+
+@register("linear_t")
+class LinearT(Linear):
+    """y = x W + b with W stored (in, out) (GPT-2's Conv1D): as linear, the
+    parameter dim c slices W's columns."""
+
+    def regions(self, op: Op, block: Block):
+        out = out_region(op, block)
+        x = out[:-1] + (slice(0, op.input_shapes[0][-1]),)
+        c = out[-1]
+        ps = {"weight": (slice(0, op.param_shapes["weight"][0]), c)}
+        if "bias" in op.param_shapes:
+            ps["bias"] = (c,)
+        return [x], ps
+
+    def compute(self, op, block, inputs, params):
+        y = torch.matmul(inputs[0], params["weight"])
+        return y + params["bias"] if "bias" in params else y

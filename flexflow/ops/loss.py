@@ -46,7 +46,10 @@ class Loss(Rule):
     def regions(self, op: Op, block: Block):
         t = self._target_region(op, block)
         x = (t[0], slice(0, op.input_shapes[0][1])) + t[1:]
-        ins = [x, t] + [tuple(slice(0, s) for s in shp) for shp in op.input_shapes[2:]]
+        # a 'mean' divides by the number of targets that are not ignore_index:
+        # every partition reads the whole target to count them
+        whole_t = tuple(slice(0, s) for s in op.input_shapes[1])
+        ins = [x, whole_t if op.attrs["reduction"] == "mean" else t] + [tuple(slice(0, s) for s in shp) for shp in op.input_shapes[2:]]
         return ins, {}
 
     def compute(self, op, block, inputs, params):
@@ -55,9 +58,12 @@ class Loss(Rule):
         kw = {"ignore_index": op.attrs.get("ignore_index", -100)}
         if red == "none":
             return fn(inputs[0], inputs[1], reduction="none", **kw)
-        total = fn(inputs[0], inputs[1], reduction="sum", **kw)
+        target = inputs[1]
         if red == "mean":
-            total = total / math.prod(op.input_shapes[1])
+            target = target[self._target_region(op, block)]
+        total = fn(inputs[0], target, reduction="sum", **kw)
+        if red == "mean":
+            total = total / (inputs[1] != kw["ignore_index"]).sum()
         return total
 
     def flops(self, op, block):
@@ -68,6 +74,30 @@ class Loss(Rule):
         return 1.0
 
 
+def _sized_by_batch(op: Op, batch: int) -> bool:
+    """An ATen op (export front end) whose literal arguments hold a size that
+    counts the batch (``new_ones(x, [B, L])``, ``view(x, [B * L, C])``), or
+    that reads a second tensor (index tensors hold absolute positions): on a
+    block of samples it could compute something else, so it runs whole."""
+    if not isinstance(op.target, torch._ops.OpOverload):
+        return False
+    if len(op.inputs) != 1:
+        return True
+    ints = [v for v in _leaves((op.args, op.kwargs)) if isinstance(v, int) and not isinstance(v, bool)]
+    return any(v >= batch and v % batch == 0 for v in ints)
+
+
+def _leaves(x):
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+    else:
+        yield x
+
+
 @register("opaque")
 class Opaque(Rule):
     """An op the library does not know: split along the sample dim (when its
@@ -76,7 +106,7 @@ class Opaque(Rule):
     def dims(self, op: Op, batch):
         shape = op.output_shape
         if (op.attrs.get("packed") or not shape or batch is None or shape[0] != batch
-                or batch <= 1):
+                or batch <= 1 or _sized_by_batch(op, batch)):
             return []
         return [Dim("n", "sample", 0, batch)]
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, call_template, out_region, register, sample_dims
+from .base import Block, Rule, call_template, out_region, region_shape, register, sample_dims
 
 __all__ = ["broadcast_region"]
 
@@ -35,7 +35,13 @@ class Pointwise(Rule):
 
     def regions(self, op: Op, block: Block):
         out = out_region(op, block)
-        return [broadcast_region(out, op.output_shape, s) for s in op.input_shapes], {}
+        ps = {n: broadcast_region(out, op.output_shape, s) for n, s in op.param_shapes.items()}
+        return [broadcast_region(out, op.output_shape, s) for s in op.input_shapes], ps
+
+    def compute(self, op, block, inputs, params):
+        if op.attrs.get("expand"):  # the literal sizes are the whole output's
+            return inputs[0].expand(region_shape(out_region(op, block)))
+        return call_template(op, inputs, params)
 
     def backward_factor(self, op):
         return 1.0

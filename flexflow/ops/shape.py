@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..ir import Op
-from .base import Block, Rule, out_region, region_shape, register, sample_dims
+from .base import Block, Rule, call_template, out_region, region_shape, register, sample_dims
 
 
 def reshape_axis_map(in_shape, out_shape) -> list[int | None]:
@@ -143,3 +143,11 @@ class Unpack(Rule):
 
     def flops(self, op, block):
         return 0.0
+
+
+@register("pad")
+class Pad(_Mapped):
+    """Constant padding (F.pad): padded axes stay whole, the others split."""
+
+    def compute(self, op, block, inputs, params):
+        return call_template(op, inputs, params)
