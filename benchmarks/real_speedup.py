@@ -106,7 +106,7 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
             times[k].append(t.steps(steps))
     out = {"times": times, "check_losses": check}
     if rank == 0:
-        sim = ff.Simulator(graph, machine)
+        sim = ff.Simulator(graph, machine)  # the cost model the search used
         dp_s = ff.Strategy.data_parallel(graph, machine)
         out["predicted_s"] = {"ddp": sim.simulate(dp_s).iteration_time,
                               "flexflow_dp": sim.simulate(dp_s).iteration_time,
@@ -128,6 +128,7 @@ def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check
     """One launch of 2 processes for one model: the row of the report.  With
     ``check_steps``, also the searched run's first losses from the initial
     parameters (``check_losses``, rank 0), to compare with :func:`reference_losses`."""
+    ff.Machine.detect()  # calibrate a new host here, before the ranks read the cached figures
     res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, check_steps, timeout_s=900)
     per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
     med = {k: statistics.median(v) for k, v in per.items()}

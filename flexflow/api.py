@@ -203,9 +203,22 @@ def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
     return m.with_devices(n)
 
 
+# The searched strategy replaces data parallelism only when the simulator
+# predicts at least this gain: predictions carry errors of tens of percent on
+# a shared CPU host, and a near-tie is not worth a riskier plan.
+MIN_PREDICTED_GAIN = 0.05
+
+
 def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd") -> Strategy:
+    """Rank 0's choice: the searched strategy, unless it is predicted less than
+    ``MIN_PREDICTED_GAIN`` faster than data parallelism (then data parallelism)."""
     from .search import search  # the module's function (flexflow.search is the function too)
-    return search(graph, machine, budget=budget, optimizer=optimizer).strategy
+    found = search(graph, machine, budget=budget, optimizer=optimizer)
+    dp = found.baselines.get("data_parallel")
+    if (dp is not None and dp.feasible and found.result.feasible
+            and found.result.iteration_time > dp.iteration_time * (1 - MIN_PREDICTED_GAIN)):
+        return Strategy.data_parallel(graph, machine)
+    return found.strategy
 
 
 def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None):

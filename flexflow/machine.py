@@ -139,14 +139,20 @@ def _calibrate_once() -> None:
     path = cpu_machine_file()
     if path.exists():
         return
+    import fcntl
     import sys
-    print(f"flexflow: calibrating this host once (gloo between 2 processes, CPU speed); "
-          f"cached in {path}", file=sys.stderr, flush=True)
-    try:
-        from .profile import calibrate_comm
-        calibrate_comm(nprocs=2, path=path, sizes_bytes=(4096, 256 * 1024, 4 * 2**20), repeats=3, warmup=1)
-    except Exception as e:  # noqa: BLE001 - an uncalibrated machine still works
-        warnings.warn(f"host calibration failed ({type(e).__name__}: {e}); using the cpu preset's defaults")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as lock:  # processes of one host calibrate once, together
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return
+        print(f"flexflow: calibrating this host once (gloo between 2 processes, CPU speed); "
+              f"cached in {path}", file=sys.stderr, flush=True)
+        try:
+            from .profile import calibrate_comm
+            calibrate_comm(nprocs=2, path=path, sizes_bytes=(4096, 256 * 1024, 4 * 2**20), repeats=3, warmup=1)
+        except Exception as e:  # noqa: BLE001 - an uncalibrated machine still works
+            warnings.warn(f"host calibration failed ({type(e).__name__}: {e}); using the cpu preset's defaults")
 
 
 def _cpu_preset() -> "Machine":
