@@ -334,7 +334,7 @@ def _functional_of(target):
 
 
 def _where(node) -> str:
-    from .trace import _source_of
+    from .sourceinfo import _source_of
     return _source_of(node) or node.name
 
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 _ORIG_GETATTR = torch.nn.Module.__getattr__
 _ORIG_CALL = torch.nn.Module.__call__
 
+from .sourceinfo import _OWN_DIRS, _source_of, _user_frame  # noqa: F401
 from .ir import InputRef, Op, OpGraph, ParamRef
 from .ops import RULES
 from .ops.catalog import build_op, index_attrs
@@ -147,27 +148,6 @@ def _fetch_attr(root, target: str):
         else:
             obj = getattr(obj, part)
     return obj
-
-
-_OWN_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-
-
-def _user_frame(tb) -> str:
-    """file:line of the innermost frame outside torch and flexflow."""
-    where = ""
-    for frame in traceback.extract_tb(tb):
-        if not frame.filename.startswith(_OWN_DIRS):
-            where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return where
-
-
-def _source_of(node: fx.Node) -> str:
-    st = node.meta.get("stack_trace") or ""
-    hits = re.findall(r'File "([^"]+)", line (\d+)', st)
-    for fname, line in reversed(hits):
-        if not fname.startswith(_OWN_DIRS):
-            return f"{os.path.basename(fname)}:{line}"
-    return ""
 
 
 def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
