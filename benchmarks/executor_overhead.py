@@ -272,56 +272,31 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
 
 
 NOTES = """
-**Spread.**  Seven runs of this script on this host (load average 3.5-6
-from other jobs on 2 cores) gave flexflow / DDP of 0.78-0.91 (alexnet),
-0.54-0.79 (transformer) and 0.52-0.68 (rnnlm, one run 1.06), and
-one-process overheads of +15-24% (alexnet), +8-26% (transformer, mostly
-+8-10%) and +45-59% (rnnlm).  The tables above are the last of those runs.
+**Quiet host.**  This run had the 2 cores to itself (load average below 1);
+under load from other jobs the same script gave flexflow / DDP of 0.80-0.83
+for all three models, so read the ratios as ±10%.
 
-**Two processes, data parallel.**  The per-sample compute is the one-process
-figure below; the rest is synchronisation, which on this host is expensive:
-two cores shared by both ranks and other jobs, so a rank that waits for its
-peer usually waits for the scheduler (a scalar all_reduce alone takes
-1-1.5 ms here, ~0.1 ms on an idle machine).
+**Two processes, data parallel.**  What the executor does per step: every
+receive posted at the start of the step and waited on at first use, sends
+posted as soon as their producer is computed, the gradient buckets all-reduced
+asynchronously from the backward, and the global loss all-reduced while the
+backward runs (the returned loss waits at its first read).  The ops that
+read only constants (the transformer's position embedding) are replicated,
+so data parallelism exchanges no activation at all.  alexnet and the
+transformer are within a few percent of DDP; the remaining gap is the
+one-process cost below.
 
-- flexflow returns the *global* loss on every rank, so each forward ends with
-  an all_reduce of the loss ("loss all_reduce" above); DDP returns each rank's
-  local loss and synchronises once per step, in the gradient all-reduce.
-  flexflow synchronises twice.
-- Ops that the data-parallel strategy cannot split along the batch run whole
-  on device 0 and their outputs travel: the transformer's position embedding
-  (its input, the positions, has no batch axis) is computed on rank 0 and sent
-  to rank 1, and its gradient sent back: two more synchronisations per step.
-  DDP replicates it; SOAP configs have no replicated placement.
-- The gradient all-reduce is one 25 MB bucket for these models in both;
-  flexflow launches it when the backward passes the bucket's gate (the
-  first op), DDP a 1 MB first bucket a little earlier.  With both cores busy
-  computing, overlap gains little either way.
-- The executor's own loop costs 0.2-0.5 ms per step ("executor loop itself").
-- Against "DDP+global loss" (the same number of synchronisations) what
-  remains is mostly the one-process overhead of the partition rules below:
-  alexnet (conv padding) and rnnlm (LSTM cell).
+**rnnlm.**  Its step is about 40 small ops (an LSTM cell per layer and time
+step, their (h, c) items, the concat of the outputs); the executor walks them
+in Python, tens of microseconds each, where the plain module has the same ops
+in its own forward.  On a 5 ms step that is the +25% of one process and most
+of the gap to DDP.  Generating each rank's program as code instead of
+interpreting it op by op is the next step.
 
-**One process.**  The executor's own loop is a small part; the difference is
-the partition rules' compute (flexflow/ops), which is not the module's code:
-
-- conv and pool: the rule pads explicitly (F.pad: aten::fill_, copy_,
-  constant_pad_nd) and convolves the padded copy even when the partition
-  does not split height or width; the convolution backward then also works
-  on the larger input.  Proposed change in ops/conv.py: use the native
-  padding when no spatial dim is split (identical result).  Measured with
-  that change applied by monkeypatch (together with the LayerNorm one):
-  alexnet +2-4%, inception_v3 +0-1.5%.
-- LSTM cell: the rule composes the cell from mm / sigmoid / tanh / stack and
-  the (h, c) pair travels stacked, unpacked by index ops; the module calls the
-  fused aten::lstm_cell (rnnlm: ~2000 against ~1300 aten ops per step).
-- call_module ops with parameters that no dedicated rule computes (LayerNorm,
-  through the rowwise rule's call template) go through
-  torch.func.functional_call, ~0.1-0.3 ms of Python per call: most of the
-  transformer's overhead (its aten ops take the same time as the module's).
-- The executor itself: the loop over ops, slicing each input block (views),
-  and one autograd Function per gradient bucket (gate) and output: 0.2-0.5 ms
-  per step.
+**One process.**  Convolutions and pools along unsplit axes now let the
+kernel pad (no copy of the input), which removed alexnet's overhead; an LSTM
+cell's (h, c) are kept apart, so reading h or c costs no stack and no
+zero-filled select in the backward.
 """
 
 
