@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import flexflow as ff  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train import start  # noqa: E402  (torchrun or local processes, as examples/train.py runs)
 
 
 def parse(argv=None):
@@ -90,18 +93,7 @@ def run(rank: int, args) -> list[float]:
 
 
 def main(argv=None) -> None:
-    args = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        try:
-            run(dist.get_rank(), args)
-        finally:
-            dist.destroy_process_group()
-    else:
-        ff.launch(run, args.nprocs, args)
+    start(run, parse(argv))
 
 
 if __name__ == "__main__":

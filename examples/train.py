@@ -108,7 +108,12 @@ def _save(model, opt, args, step: int, rank: int) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse(argv)
+    start(run, parse(argv))
+
+
+def start(run, args) -> None:
+    """``run(rank, args)`` on every rank: under torchrun in this process (its
+    process group made and destroyed here), else on ``args.nprocs`` local processes."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

@@ -286,7 +286,7 @@ class Runtime:
         self.fwd_recv_ex = [ex for ex in self.exchanges if ex.recvs]
         self.bwd_recv_ex = [ex for ex in self.exchanges if ex.grad and ex.sends]
         self._recv: dict = {}  # exchange index -> (works, buffers), forward
-        self._sends: list = []  # (work, tensor) of this step's forward sends
+        self._sends: list = []  # (works, tensors) of this step's forward sends, kept alive until waited
         self._bwd_recv: dict = {}
         self._bwd_sends: list = []
         self._bwd_armed = False
@@ -452,15 +452,14 @@ class Runtime:
             return
         self.closed = True
         works = [w for w, *_ in self.sync.works]
-        works += [w for w, _ in self._sends + self._bwd_sends]
+        works += [w for ws, _ in self._sends + self._bwd_sends for w in ws]
         self.sync.reset()
         self._pending, self._sends, self._bwd_sends, self._recv, self._bwd_recv = [], [], [], {}, {}
         works = [w for w in works if w is not None]
         if wait_s > 0 and works and not self.nccl:
-            import datetime as _dt
             for w in works:
                 try:
-                    w.wait(_dt.timedelta(seconds=wait_s))
+                    w.wait(datetime.timedelta(seconds=wait_s))
                 except Exception:  # noqa: BLE001 - a dead peer: nothing left to wait for
                     break
         del works
@@ -500,16 +499,15 @@ class Runtime:
         while self._pending:
             self._pending.pop()()
         if self._sends:
-            works, self._sends = [w for w, _ in self._sends], []
+            works, self._sends = [w for ws, _ in self._sends for w in ws], []
             self.wait(works, lambda: "forward sends of the previous step")
 
     def _post_forward_recvs(self) -> None:
-        tag_of = 2
         for ex in self.fwd_recv_ex:
             if ex.index not in self._recv:
                 wire = _wire_dtype(ex.dtype)
                 bufs = [torch.empty(p.shape, dtype=wire, device=self.device) for p in ex.recvs]
-                works = self.p2p([(False, b, p.src, tag_of * ex.index) for p, b in zip(ex.recvs, bufs)])
+                works = self.p2p([(False, b, p.src, 2 * ex.index) for p, b in zip(ex.recvs, bufs)])
                 self._recv[ex.index] = (works, bufs)
 
     def _post_sends(self, name: str, x: torch.Tensor) -> None:
@@ -517,8 +515,7 @@ class Runtime:
         for ex in self.sends_after[name]:
             ops = [(True, _wire(x[p.src_region]).contiguous(), p.dst, 2 * ex.index) for p in ex.sends]
             works = self.p2p(ops)
-            self._sends.extend(zip(works, [t for _, t, _, _ in ops]) if not self.nccl
-                               else [(w, None) for w in works] + [(None, t) for _, t, _, _ in ops])
+            self._sends.append((works, [t for _, t, _, _ in ops]))
 
     def _arm_backward(self) -> None:
         """At the first exchange of a backward pass: post every gradient receive
@@ -537,7 +534,7 @@ class Runtime:
 
     def _end_backward(self) -> None:
         self._bwd_armed = False
-        works, self._bwd_sends = [w for w, _ in self._bwd_sends], []
+        works, self._bwd_sends = [w for ws, _ in self._bwd_sends for w in ws], []
         self.wait(works, lambda: "gradient sends (end of backward)")
 
     def _run(self, inputs, tensors, input_ops):
@@ -770,8 +767,7 @@ class _ExchangeFn(torch.autograd.Function):
             works, bufs = rt._bwd_recv.pop(ex.index, None) or rt._post_bwd_recvs(ex)
             ops = [(True, g_out[p.dst_region].contiguous(), p.src, tag) for p in ex.recvs]
             sent = rt.p2p(ops)  # waited for at the end of the backward
-            rt._bwd_sends.extend((w, t) for w, (_, t, _, _) in zip(sent, ops)) if not rt.nccl else \
-                rt._bwd_sends.extend([(w, None) for w in sent] + [(None, t) for _, t, _, _ in ops])
+            rt._bwd_sends.append((sent, [t for _, t, _, _ in ops]))
             for p in ex.local:
                 gx[p.src_region] += g_out[p.dst_region]
             rt.wait(works, lambda: _describe(ex, "backward"))

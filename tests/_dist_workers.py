@@ -302,15 +302,21 @@ def refusals(rank: int):
     return out
 
 
-def failing_peer(rank: int, how: str, timeout_s: float):
-    """Rank 1 dies (raises) or hangs right after parallelize; rank 0 must fail
-    within the timeout instead of hanging (its error says after how long)."""
+def _lenet_model_parallel(timeout_s: float | None = None):
+    """(module, example, parallel module): lenet on every rank of the world, model parallel."""
     torch.set_num_threads(1)
     module, example = build("lenet", 4)
     graph = ff.trace(module, example)
     machine = Machine.preset("cpu", devices=dist.get_world_size())
     model = parallelize(module, example_inputs=example, strategy=Strategy.model_parallel(graph, machine),
                         timeout_s=timeout_s)
+    return module, example, model
+
+
+def failing_peer(rank: int, how: str, timeout_s: float):
+    """Rank 1 dies (raises) or hangs right after parallelize; rank 0 must fail
+    within the timeout instead of hanging (its error says after how long)."""
+    module, example, model = _lenet_model_parallel(timeout_s)
     if rank == 1:
         if how == "dies":
             raise RuntimeError("rank 1 exits on purpose")
@@ -334,12 +340,7 @@ def faulty(rank: int, how: str, timeout_s: float, ckpt: str):
     import os
     import signal
 
-    torch.set_num_threads(1)
-    module, example = build("lenet", 4)
-    graph = ff.trace(module, example)
-    machine = Machine.preset("cpu", devices=dist.get_world_size())
-    model = parallelize(module, example_inputs=example, strategy=Strategy.model_parallel(graph, machine),
-                        timeout_s=timeout_s)
+    module, example, model = _lenet_model_parallel(timeout_s)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.zero_grad()
     model(*batch_for_step(module, 4, 0)).backward()
@@ -370,11 +371,7 @@ def mismatched_programs(rank: int):
     plan and the check must fail on every rank, naming the message."""
     from flexflow.program import ProgramMismatch, check_programs, describe
 
-    torch.set_num_threads(1)
-    module, example = build("lenet", 4)
-    graph = ff.trace(module, example)
-    machine = Machine.preset("cpu", devices=dist.get_world_size())
-    model = parallelize(module, example_inputs=example, strategy=Strategy.model_parallel(graph, machine))
+    module, example, model = _lenet_model_parallel()
     text = model.program()
     rt = model.runtime
     if rank == 0:

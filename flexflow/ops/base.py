@@ -23,7 +23,7 @@ from torch.fx.node import map_aggregate
 from ..ir import Dim, InputRef, Op, ParamRef
 
 __all__ = ["Rule", "RULES", "register", "Block", "Region", "full_region", "out_region",
-           "block_range", "call_template", "region_shape", "region_numel", "sample_dims", "batch_dim"]
+           "block_range", "call_template", "region_shape", "region_numel", "sample_dims", "batch_dim", "flatten"]
 
 Block = dict  # dim name -> (start, stop)
 Region = tuple  # tuple of slices, one per tensor axis
@@ -149,3 +149,12 @@ def _block_shape(op: Op, block: Block) -> tuple[int, ...]:
 
 
 RULES["base"] = Rule()
+
+
+def flatten(x):
+    """The leaves of a (nested) tuple or list, in order (a non-sequence is its own leaf)."""
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from flatten(y)
+    else:
+        yield x

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.fx.node import map_aggregate
 
 from ..ir import InputRef, Op, ParamRef
+from .base import flatten
 from .shape import reshape_axis_map
 
 __all__ = ["build_op", "index_attrs", "POINTWISE"]
@@ -253,7 +254,7 @@ def build_op(root, node: fx.Node, value, by_node, param_names, ops) -> Op | None
     if not _is_tensor(value):
         if isinstance(value, (tuple, list)) and value and all(map(_is_tensor, value)):
             return _multi_output(b, name or type(module).__name__.lower(), module)
-        leaves = list(_flatten(value)) if isinstance(value, (tuple, list)) else []
+        leaves = list(flatten(value)) if isinstance(value, (tuple, list)) else []
         if leaves and all(map(_is_tensor, leaves)):  # nested outputs: nn.LSTM's (out, (h, c))
             return _multi_output(b, name or type(module).__name__.lower(), module)
         by_node[node] = ("value", value)
@@ -278,14 +279,14 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     same = all(_is_tensor(t) and t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
     if name == "lstm_cell" and same and module is not None:
         args, kwargs = b.template()
-        flat = [a for a in _flatten(args) if isinstance(a, InputRef)]
+        flat = [a for a in flatten(args) if isinstance(a, InputRef)]
         op = b.make("lstm_cell", "lstm_cell", output_shape=(2,) + tuple(v[0].shape), dtype=v[0].dtype,
                     attrs={"stacked": True}, target=module, args=args, kwargs=kwargs,
                     module_path=b.node.target)
         _module_params(b, op, module)
         return op
     args, kwargs = b.template()
-    leaves = list(_flatten(v))
+    leaves = list(flatten(v))
     nested = len(leaves) != len(v)
     if same:
         shape, attrs = (len(v),) + tuple(v[0].shape), {"stacked": True}
@@ -324,14 +325,6 @@ def _leaf_item(b: _Builder, node, by_node, src_op: Op, tree, i):
         return None
     b.inputs.append(src_op.name)
     return b.make("unpack", "unpack", attrs={"offset": src_op.attrs["offsets"][sub]})
-
-
-def _flatten(x):
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _flatten(y)
-    else:
-        yield x
 
 
 def _module_params(b: _Builder, op: Op, module: nn.Module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, batch_dim, block_range, call_template, out_region, register
+from .base import Block, Rule, batch_dim, block_range, call_template, flatten, out_region, register
 
 
 @register("loss")
@@ -122,16 +122,8 @@ class Opaque(Rule):
     def compute(self, op, block, inputs, params):
         out = call_template(op, inputs, params)
         if op.attrs.get("packed"):
-            return torch.cat([t.reshape(-1) for t in _leaves(out)])
+            return torch.cat([t.reshape(-1) for t in flatten(out)])
         if op.attrs.get("stacked"):
             return torch.stack(list(out))
         return out
 
-
-def _leaves(x):
-    """The tensors of a (nested) tuple output, in order."""
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _leaves(y)
-    else:
-        yield x
