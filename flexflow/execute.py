@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -150,6 +151,9 @@ class _Step:
     inputs: list = field(default_factory=list)  # per input: None | (mode, src, data)
     gate: _Gate | None = None
     params: list = field(default_factory=list)  # (local, qual, reshape_to, region)
+    # compiled at setup for a step that reads only local values and has no gate:
+    # vals, pvals -> the output (None: the general path of Runtime._run)
+    run: object = None
 
 
 def tensor_of(module: torch.nn.Module, qual: str) -> torch.Tensor:
@@ -230,8 +234,15 @@ class Runtime:
                     self.shards[qual] = (view, s.region, ranks)
             if qual not in self.shards:
                 continue
-            view, region, _ = self.shards[qual]
+            view, region, ranks = self.shards[qual]
             src = tensor_of(self.module, qual)
+            native = tuple(src.shape)
+            if tuple(view) != native and _is_full(region, view):
+                # a whole parameter read in a logical view (an LSTM cell's (4, H, .)
+                # gates) is held in its own shape, as the module holds it: rules that
+                # take it so (LSTMCell) read it without a reshape per use
+                view, region = native, tuple(slice(0, n) for n in native)
+                self.shards[qual] = (view, region, ranks)
             t = src.detach().reshape(view)[region].clone().to(self.device)
             if trainable:
                 self.params[qual] = torch.nn.Parameter(t, requires_grad=src.requires_grad)
@@ -266,6 +277,8 @@ class Runtime:
             if step.part is not None:
                 step.params = self._param_access(op, step.part)
             self.program.append(step)
+        for step in self.program:
+            step.run = self._compile(step)
         self.outputs: dict[str, _Output] = {}  # outputs assembled across ranks
         for name in g.output_names():
             op = g.op(name)
@@ -382,6 +395,56 @@ class Runtime:
         self.exchanges.append(ex)
         return ("xchg", src, ex)
 
+    def _compile(self, step: _Step):
+        """The step as one function of (vals, pvals), with every choice the general
+        loop makes per step (how each input and parameter is read, the rule, the
+        stacking of the output) made here once; None for steps that exchange,
+        gate parameters or run everywhere."""
+        op = step.op
+        if step.everywhere or step.part is None or step.gate is not None or \
+                any(e is not None and e[0] == "xchg" for e in step.inputs):
+            return None
+        stacked_in = {s for s in op.inputs if self.graph.op(s).attrs.get("stacked")
+                      and hasattr(RULES[self.graph.op(s).rule], "compute_parts")}
+        getters = []
+        for entry in step.inputs:
+            if entry is None:
+                getters.append(lambda vals: None)
+                continue
+            _, src, data = entry
+            if src in stacked_in:
+                def get(vals, src=src, data=data, whole=op.rule != "index"):
+                    x = vals[src] if data is None else vals[src][data]
+                    return x.stack() if whole and isinstance(x, _Stacked) else x
+            elif data is None:
+                get = operator.itemgetter(src)
+            else:
+                def get(vals, src=src, data=data):
+                    return vals[src][data]
+            getters.append(get)
+        pgetters = []
+        for local, qual, reshape_to, region in step.params:
+            if reshape_to is None and region is None:
+                pget = operator.itemgetter(qual)
+            else:
+                def pget(pvals, qual=qual, reshape_to=reshape_to, region=region):
+                    t = pvals[qual]
+                    if reshape_to is not None:
+                        t = t.reshape(reshape_to)
+                    return t if region is None else t[region]
+            pgetters.append((local, pget))
+        rule, block = RULES[op.rule], step.part.block
+        if op.attrs.get("stacked") and hasattr(rule, "compute_parts"):  # (h, c) kept apart
+            def fn(ins, params):
+                return _Stacked(rule.compute_parts(op, block, ins, params))
+        else:
+            fn = rule.bind(op, block)
+        getters, pgetters = tuple(getters), tuple(pgetters)
+        if len(getters) == 1:
+            get0 = getters[0]
+            return lambda vals, pvals: fn([get0(vals)], {k: g(pvals) for k, g in pgetters})
+        return lambda vals, pvals: fn([g(vals) for g in getters], {k: g(pvals) for k, g in pgetters})
+
     def _param_access(self, op: Op, part: Partition) -> list:
         out = []
         for local, qual in list(op.params.items()) + list(op.buffers.items()):
@@ -389,7 +452,10 @@ class Runtime:
                     else op.buffer_shapes[local])
             pview, box, _ = self.shards[qual]
             region = part.params[local]
-            if tuple(view) == tuple(pview):
+            if (tuple(view) != tuple(pview) and getattr(RULES[op.rule], "native_params", False)
+                    and _is_full(region, view) and _is_full(box, pview)):
+                out.append((local, qual, None, None))  # the whole tensor, in its own shape
+            elif tuple(view) == tuple(pview):
                 rel = _rel(region, box)
                 out.append((local, qual, None, None if _is_full(rel, region_shape(box)) else rel))
             else:  # held whole in another view (a parameter read in two shapes)
@@ -555,6 +621,11 @@ class Runtime:
             for name in free:
                 vals.pop(name, None)
             op = step.op
+            if step.run is not None:
+                vals[op.name] = out = step.run(vals, pvals)
+                if op.name in self.sends_after:
+                    self._post_sends(op.name, out)
+                continue
             if step.everywhere:
                 if op.kind == "constant":
                     vals[op.name] = constant_value_of(op, self.module).to(self.device)
@@ -623,10 +694,10 @@ class Runtime:
             src = tensor_of(self.module, qual)
             full = torch.zeros(view, dtype=src.dtype, device=self.device)
             if qual in self.shards:
-                _, region, ranks = self.shards[qual]
+                held, region, ranks = self.shards[qual]
                 if ranks[0] == self.rank:
                     mine = self.params[qual] if qual in self.params else self.buffers[qual]
-                    full[region] = mine.detach()
+                    full.view(held)[region] = mine.detach()  # held whole in its own shape, or a block of the view
             fulls[qual] = full
         if self.distributed and self.world > 1:
             by_dtype: dict = {}

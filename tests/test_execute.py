@@ -163,12 +163,15 @@ def test_rank_that_hangs_times_out():
 
 
 def test_single_process_matches_module():
-    for name in ("lenet", "transformer"):
+    for name in ("lenet", "transformer", "rnnlm"):
         module, inputs = ff.models.get(name, batch_size=3, size="small")
         module.eval()
         ref = copy.deepcopy(module)
         model = parallelize(module, example_inputs=inputs)
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        # whole parameters are held in the module's own shapes (an LSTM cell's
+        # gates too, which the rules read in a (4, H, .) view)
+        assert [tuple(p.shape) for p in model.parameters()] == [tuple(p.shape) for p in ref.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         for _ in range(2):
@@ -181,6 +184,10 @@ def test_single_process_matches_module():
         state = model.state_dict()
         for k, v in ref.state_dict().items():
             assert torch.allclose(state[k], v, rtol=TOL, atol=1e-7), k
+        fresh = parallelize(copy.deepcopy(ref), example_inputs=inputs)
+        fresh.load_state_dict({k: v + 1 for k, v in state.items()})
+        for k, v in fresh.state_dict().items():
+            assert torch.allclose(v, state[k] + 1, rtol=TOL, atol=1e-6), k
 
 
 def test_single_process_errors():

@@ -136,6 +136,13 @@ class Rule:
     def compute(self, op: Op, block: Block, inputs: list, params: dict) -> torch.Tensor:
         return call_template(op, inputs, params)
 
+    def bind(self, op: Op, block: Block):
+        """``compute`` for one partition, as a function of (inputs, params) only:
+        the executor calls it every step, so a rule may work out here, once,
+        what ``compute`` would derive from ``op`` and ``block`` at every call."""
+        compute = self.compute
+        return lambda inputs, params: compute(op, block, inputs, params)
+
     def flops(self, op: Op, block: Block) -> float:
         return float(math.prod(_block_shape(op, block)))
 

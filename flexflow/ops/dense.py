@@ -113,6 +113,17 @@ class Embedding(Rule):
         return 1.0
 
 
+def _gate_rows(t):
+    """An LSTM weight (4, hs, I) as its gate rows (4 hs, I); one held whole in the
+    module's own shape, (4H, I), comes as it is."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _gate_bias(t):
+    """An LSTM bias (4, hs) as (4 hs,); one held as the module holds it as it is."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 @register("lstm_cell")
 class LSTMCell(Rule):
     """One time step of an LSTM.  Output is (h, c) stacked: (2, N, H).
@@ -147,26 +158,28 @@ class LSTMCell(Rule):
     def compute(self, op, block, inputs, params):
         return torch.stack(self.compute_parts(op, block, inputs, params))
 
+    # a whole weight may come in the module's own shape, (4H, I) and (4H,)
+    native_params = True
+
     def compute_parts(self, op, block, inputs, params):
         """(h, c) of the partition, unstacked (the executor keeps them apart)."""
         x = inputs[0]
-        w_ih = params["weight_ih"]  # (4, hs, I)
-        hs = w_ih.shape[1]
+        w_ih = _gate_rows(params["weight_ih"])  # (4 hs, I)
+        hs = w_ih.shape[0] // 4
         if hs == op.output_shape[2] and len(inputs) == 3 and "bias_ih" in params:
             # whole hidden block: the fused kernel, as nn.LSTMCell runs it
-            h, c = torch.lstm_cell(x, (inputs[1], inputs[2]), w_ih.reshape(4 * hs, -1),
-                                   params["weight_hh"].reshape(4 * hs, -1),
-                                   params["bias_ih"].reshape(-1), params["bias_hh"].reshape(-1))
+            h, c = torch.lstm_cell(x, (inputs[1], inputs[2]), w_ih, _gate_rows(params["weight_hh"]),
+                                   _gate_bias(params["bias_ih"]), _gate_bias(params["bias_hh"]))
             return h, c
-        gates = x @ w_ih.reshape(4 * hs, -1).t()
+        gates = x @ w_ih.t()
         if len(inputs) == 3:
             h_prev, c_prev = inputs[1], inputs[2]
-            gates = gates + h_prev @ params["weight_hh"].reshape(4 * hs, -1).t()
+            gates = gates + h_prev @ _gate_rows(params["weight_hh"]).t()
         else:
             c_prev = None
         for b in ("bias_ih", "bias_hh"):
             if b in params:
-                gates = gates + params[b].reshape(-1)
+                gates = gates + _gate_bias(params[b])
         gates = gates.view(x.shape[0], 4, hs)
         i, f, g, o = gates.unbind(1)
         c = torch.sigmoid(i) * torch.tanh(g)

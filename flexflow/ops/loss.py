@@ -53,18 +53,24 @@ class Loss(Rule):
         return ins, {}
 
     def compute(self, op, block, inputs, params):
+        return self.bind(op, block)(inputs, params)
+
+    def bind(self, op, block):
         red = op.attrs["reduction"]
         fn = F.nll_loss if op.attrs["fn"] == "nll" else F.cross_entropy
-        kw = {"ignore_index": op.attrs.get("ignore_index", -100)}
-        if red == "none":
-            return fn(inputs[0], inputs[1], reduction="none", **kw)
-        target = inputs[1]
-        if red == "mean":
-            target = target[self._target_region(op, block)]
-        total = fn(inputs[0], target, reduction="sum", **kw)
-        if red == "mean":
-            total = total / (inputs[1] != kw["ignore_index"]).sum()
-        return total
+        ignore = op.attrs.get("ignore_index", -100)
+        t_region = self._target_region(op, block)
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(t_region, op.input_shapes[1]))
+        if red == "none" or (red == "mean" and whole):  # the whole mean: as the module computes it
+            return lambda inputs, params: fn(inputs[0], inputs[1], reduction=red, ignore_index=ignore)
+        if red == "sum":
+            return lambda inputs, params: fn(inputs[0], inputs[1], reduction="sum", ignore_index=ignore)
+
+        def partial_mean(inputs, params):
+            # this block's share of the mean: its sum over the count of the whole target
+            total = fn(inputs[0], inputs[1][t_region], reduction="sum", ignore_index=ignore)
+            return total / (inputs[1] != ignore).sum()
+        return partial_mean
 
     def flops(self, op, block):
         t = self._target_region(op, block)

@@ -61,7 +61,11 @@ class _Mapped(Rule):
 @register("reshape")
 class Reshape(_Mapped):
     def compute(self, op, block, inputs, params):
-        return inputs[0].reshape(region_shape(out_region(op, block)))
+        return self.bind(op, block)(inputs, params)
+
+    def bind(self, op, block):
+        shape = region_shape(out_region(op, block))
+        return lambda inputs, params: inputs[0].reshape(shape)
 
 
 @register("transpose")
@@ -76,12 +80,15 @@ class Index(_Mapped):
     (removed from the output) and read-whole axes; 'new_axes' output axes of size 1."""
 
     def compute(self, op, block, inputs, params):
-        x = inputs[0]
+        return self.bind(op, block)(inputs, params)
+
+    def bind(self, op, block):
+        # the partition's input block has the input's rank: the index is fixed
         idx = []
         amap = op.attrs["axis_map"]
         mapped = {ia for ia in amap if ia is not None}
         sliced = op.attrs.get("sliced", {})
-        for ia in range(x.dim()):
+        for ia in range(len(op.input_shapes[0])):
             if ia in mapped:
                 idx.append(slice(None))
             elif ia in sliced:  # an unsplit axis read partially
@@ -89,10 +96,16 @@ class Index(_Mapped):
                 idx.append(slice(a, b))
             else:
                 idx.append(0)
-        y = x[tuple(idx)]
-        for oa in op.attrs.get("new_axes", ()):
-            y = y.unsqueeze(oa)
-        return y
+        idx, new_axes = tuple(idx), tuple(op.attrs.get("new_axes", ()))
+        if not new_axes:
+            return lambda inputs, params: inputs[0][idx]
+
+        def index(inputs, params):
+            y = inputs[0][idx]
+            for oa in new_axes:
+                y = y.unsqueeze(oa)
+            return y
+        return index
 
 
 @register("concat")
