@@ -406,6 +406,19 @@ class Runtime:
             return None
         stacked_in = {s for s in op.inputs if self.graph.op(s).attrs.get("stacked")
                       and hasattr(RULES[self.graph.op(s).rule], "compute_parts")}
+        if op.rule == "index" and len(step.inputs) == 1 and step.inputs[0] is not None \
+                and step.inputs[0][1] in stacked_in:
+            k = self._stacked_item(op, step.inputs[0])
+            if k is not None:  # h or c of a cell: the part itself, no op at all
+                _, src, data = step.inputs[0]
+                index = RULES["index"].bind(op, step.part.block)
+
+                def part_k(vals, pvals):
+                    v = vals[src]
+                    if type(v) is _Stacked:
+                        return v.parts[k]
+                    return index([v if data is None else v[data]], None)  # stacked for an exchange already
+                return part_k
         getters = []
         for entry in step.inputs:
             if entry is None:
@@ -444,6 +457,24 @@ class Runtime:
             get0 = getters[0]
             return lambda vals, pvals: fn([get0(vals)], {k: g(pvals) for k, g in pgetters})
         return lambda vals, pvals: fn([g(vals) for g in getters], {k: g(pvals) for k, g in pgetters})
+
+    def _stacked_item(self, op: Op, entry) -> int | None:
+        """The part k when the index op ``op`` reads exactly part k of its stacked
+        input (as an LSTM cell's h = out[0]), else None."""
+        a = op.attrs
+        if 0 in a["axis_map"] or 0 in a.get("sliced", {}) or a.get("new_axes"):
+            return None
+        _, src, data = entry
+        held = self._mine(self._parts(self.graph.op(src)))
+        if held is None:
+            return None
+        shape = region_shape(held.output)
+        if data is None:
+            return 0
+        first = data[0]
+        if first.step not in (None, 1) or not _is_full(data[1:], shape[1:]):
+            return None
+        return first.start
 
     def _param_access(self, op: Op, part: Partition) -> list:
         out = []
