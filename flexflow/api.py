@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .execute import BUCKET_CAP_MB, Runtime, tensor_of
+from .execute import BUCKET_CAP_MB, REDUCE_OUTPUTS, Runtime, tensor_of
 from .machine import Machine
 from .memory import optimizer_state_copies
 from .program import check_programs, describe
@@ -309,7 +309,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                 strategy=None, budget: float = 30.0,
                 machine: Machine | None = None, timeout_s: float | None = None,
                 bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True,
-                optimizer: str = "sgd") -> ParallelModule:
+                optimizer: str = "sgd", reduce_outputs: str = "eager") -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
 
     Collective: every rank of the default process group calls it with the
@@ -325,10 +325,23 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     copied to every rank first (``broadcast_state``), as DDP does.
     ``optimizer`` ("sgd", "momentum", "adam"): the optimizer the caller will
     use, whose state counts in the memory the searched strategy must fit.
+    ``reduce_outputs``: how every rank gets the full outputs (the global loss).
+    "eager" (default): one all-reduce per output, started at the end of the
+    forward and waited on at the first read.  "with_gradients": the outputs
+    ride on a gradient all-reduce of the backward, so a training step has no
+    collective beyond DDP's; the values are there once ``backward()`` has
+    run.  Read before the backward, an output is all-reduced on its own,
+    which every rank must then do too (a read on some ranks only, before the
+    backward, waits for the others until ``timeout_s``).  Without gradient
+    buckets across all ranks (model parallelism) or in a forward without
+    autograd, outputs are reduced eagerly.
     """
     if example_inputs is None and example_kwargs:
         example_inputs = ()
     optimizer_state_copies(optimizer)  # a clear error for an unknown kind, on every rank
+    if reduce_outputs not in REDUCE_OUTPUTS:
+        raise ValueError(f"reduce_outputs must be one of {', '.join(map(repr, REDUCE_OUTPUTS))}, "
+                         f"got {reduce_outputs!r}")
     if example_inputs is None:
         raise ValueError("parallelize() needs example_inputs: a batch with the shapes and dtypes of the "
                          "real inputs (they fix every op's shape), e.g. "
@@ -397,7 +410,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     if distributed and world > 1 and broadcast_state:
         _broadcast_state(module, device)
     runtime = Runtime(graph, chosen, module, ranks, device=device, timeout_s=timeout_s,
-                      bucket_cap_mb=bucket_cap_mb)
+                      bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
     check_programs(runtime)  # a mismatch between ranks is an error now, not a hang at the first step
     return ParallelModule(module, runtime)
 

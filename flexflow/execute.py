@@ -141,6 +141,19 @@ class _Output:
     work: object = None  # its all-reduce, between the forward and Runtime._run
 
 
+REDUCE_OUTPUTS = ("eager", "with_gradients")
+
+
+class _Rider:
+    """An output all-reduced inside a gradient bucket (reduce_outputs="with_gradients")."""
+
+    WAITING, SENT, DONE = 0, 1, 2
+    __slots__ = ("name", "full", "state")
+
+    def __init__(self, name: str, full: torch.Tensor):
+        self.name, self.full, self.state = name, full, _Rider.WAITING
+
+
 @dataclass
 class _Step:
     """What this rank does for one op of the graph."""
@@ -187,7 +200,8 @@ class Runtime:
     the world with the same arguments (it creates process groups)."""
 
     def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
-                 *, device=None, timeout_s: float = 300.0, bucket_cap_mb: float = BUCKET_CAP_MB):
+                 *, device=None, timeout_s: float = 300.0, bucket_cap_mb: float = BUCKET_CAP_MB,
+                 reduce_outputs: str = "eager"):
         self.graph, self.strategy, self.module = graph, strategy, module
         self.ranks = [int(r) for r in ranks]  # device k of the strategy -> global rank
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -196,6 +210,9 @@ class Runtime:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        if reduce_outputs not in REDUCE_OUTPUTS:
+            raise ExecutorError(f"reduce_outputs must be one of {REDUCE_OUTPUTS}, got {reduce_outputs!r}")
+        self.reduce_outputs = reduce_outputs
         self.nccl = self.distributed and dist.get_backend() == "nccl"
         if len(set(self.ranks)) != len(self.ranks) or any(not 0 <= r < self.world for r in self.ranks):
             raise ExecutorError(f"devices {self.ranks} must be distinct ranks of the world (0..{self.world - 1})")
@@ -288,6 +305,7 @@ class Runtime:
             mine = self._mine(canonical_partitions(parts))  # one copy of replicated blocks counts
             self.outputs[name] = _Output(name, tuple(op.output_shape), op.dtype, parts[0].partial,
                                          None if mine is None else mine.output)
+        self.ride = self._plan_ride(gates)
         self.chain_length = self.num_exchanges + len(gates) + len(self.outputs)
         # asynchronous point-to-point: sends leave as soon as their producer is computed,
         # receives are posted ahead (forward: at the start of the step; backward: at its
@@ -304,6 +322,8 @@ class Runtime:
         self._bwd_sends: list = []
         self._bwd_armed = False
         self._pending: list = []  # Once waits of outputs still being all-reduced
+        self._riding = False  # this forward's outputs ride on the gradient all-reduce
+        self._riders: list = []  # their jobs not yet launched, in graph order
         self.broken: str | None = None
         # values this rank can drop after each step (autograd keeps what backward needs)
         last: dict[str, int] = {}
@@ -316,6 +336,26 @@ class Runtime:
         for name, i in last.items():
             if name not in keep and i + 1 < len(self.program):
                 self.free_before[i + 1].append(name)
+
+    def _plan_ride(self, gates: dict):
+        """(gate op, bucket position): the gradient bucket that also carries the
+        outputs under ``reduce_outputs="with_gradients"``, or None.  It must
+        span every rank and hold the outputs' dtype; all ranks pick the same one
+        (the latest gate in forward order with such a bucket: the first to launch
+        in the backward, usually)."""
+        if self.reduce_outputs != "with_gradients" or not self.outputs or not self.distributed \
+                or self.world == 1:
+            return None
+        dtypes = {out.dtype for out in self.outputs.values()}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point or \
+                any(_wire_dtype(d) != d for d in dtypes):
+            return None
+        every = tuple(range(self.world))
+        for gi in sorted(gates, reverse=True):
+            for pos, (key, quals) in enumerate(gates[gi]):
+                if tuple(key) == every and self.params[quals[0]].dtype in dtypes:
+                    return (self.graph.ops[gi].name, pos)
+        return None
 
     def _plan_buckets(self, first_use: dict) -> dict[int, list]:
         """Static gradient buckets of this rank's replicated shards.
@@ -528,6 +568,20 @@ class Runtime:
         return [(dist.isend if s else dist.irecv)(t, peer, group=self.p2p_group, tag=tag)
                 for s, t, peer, tag in ops]
 
+    def _read_rider(self, job: "_Rider") -> None:
+        """An output riding on the gradient all-reduce, at its first read (or at
+        the next step): already there after the backward; read before it, it
+        is all-reduced on its own now -- which every rank must then do too."""
+        if job.state == _Rider.WAITING:
+            self._riders = [j for j in self._riders if j is not job]
+            work = dist.all_reduce(job.full, group=self.coll_group, async_op=True)
+            self.wait([work], lambda: f"all_reduce of output {job.name!r} among all {self.world} ranks, read "
+                                      f"before backward() (with reduce_outputs='with_gradients' every rank must "
+                                      f"read it before backward, or none)")
+            job.state = _Rider.DONE
+        elif job.state == _Rider.SENT:  # read during the backward
+            self.sync.finish()
+
     def wait(self, works, what=None) -> None:
         """Wait for works; a failure names this rank, the step and ``what()``
         (the exchange or collective, and the peers it waits on)."""
@@ -552,6 +606,7 @@ class Runtime:
         works += [w for ws, _ in self._sends + self._bwd_sends for w in ws]
         self.sync.reset()
         self._pending, self._sends, self._bwd_sends, self._recv, self._bwd_recv = [], [], [], {}, {}
+        self._riders = []
         works = [w for w in works if w is not None]
         if wait_s > 0 and works and not self.nccl:
             for w in works:
@@ -636,6 +691,7 @@ class Runtime:
 
     def _run(self, inputs, tensors, input_ops):
         grad = torch.is_grad_enabled()
+        self._riding = grad and self.ride is not None
         self._post_forward_recvs()
         token = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
         vals: dict[str, torch.Tensor] = {}
@@ -707,8 +763,11 @@ class Runtime:
                 work = getattr(out, "work", None)
                 if work is not None:  # still being all-reduced: wait at first read
                     out.work = None
-                    once = Once(lambda w=work, o=out: self.wait([w], lambda: f"all_reduce of output {o.name!r} "
-                                                                             f"among all {self.world} ranks"))
+                    if isinstance(work, _Rider):
+                        once = Once(lambda j=work: self._read_rider(j))
+                    else:
+                        once = Once(lambda w=work, o=out: self.wait([w], lambda: f"all_reduce of output {o.name!r} "
+                                                                                 f"among all {self.world} ranks"))
                     self._pending.append(once)
                     res = pending(res, once)
                 results[name] = res
@@ -903,6 +962,10 @@ class _OutputFn(torch.autograd.Function):
         if out.region is not None:
             full[out.region] += _wire(x)
         if rt.distributed and rt.world > 1:
+            if rt._riding:  # all-reduced with the gradients (the ride bucket)
+                out.work = job = _Rider(out.name, full)
+                rt._riders.append(job)
+                return full
             work = dist.all_reduce(full, group=rt.coll_group, async_op=True)
             if full.dtype == out.dtype and out.dtype.is_floating_point:  # waited at first read (Runtime._run wraps the output)
                 out.work = work
@@ -937,16 +1000,24 @@ class _GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.armed = True
         by_qual = dict(zip(gate.quals, grads))
-        for key, quals in gate.buckets:
+        for pos, (key, quals) in enumerate(gate.buckets):
             params = [rt.params[q] for q in quals]
-            flat = torch.cat([(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
-                              for q, p in zip(quals, params)])
+            pieces = [(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
+                      for q, p in zip(quals, params)]
+            riders = []
+            if rt.ride == (gate.op, pos):  # the outputs ride along (every rank, every step)
+                riders, rt._riders = rt._riders, []
+                pieces += [job.full.reshape(-1) for job in riders]
+            flat = torch.cat(pieces)
             work = dist.all_reduce(flat, group=rt.groups[key], async_op=True)
-            self.works.append((work, flat, params, key))
+            for job in riders:
+                job.state = _Rider.SENT
+            self.works.append((work, flat, params, key, riders))
 
     def finish(self) -> None:
         try:
-            for work, flat, params, key in self.works:
+            works, self.works = self.works, []
+            for work, flat, params, key, riders in works:
                 self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
                 off = 0
                 for p in params:
@@ -957,6 +1028,12 @@ class _GradSync:
                         p.grad = g
                     else:
                         p.grad.add_(g)
+                with torch.no_grad():
+                    for job in riders:
+                        n = job.full.numel()
+                        job.full.copy_(flat[off:off + n].view_as(job.full))
+                        off += n
+                        job.state = _Rider.DONE
         finally:
             self.reset()
 

@@ -43,15 +43,20 @@ def messages(rt) -> dict:
     if rt.world > 1:
         every = tuple(range(rt.world))
         for out in rt.outputs.values():
-            colls.setdefault(every, []).append((math.prod(out.shape), _dtype(out.dtype), f"output {out.name}"))
+            if rt.ride is None:
+                colls.setdefault(every, []).append((math.prod(out.shape), _dtype(out.dtype), f"output {out.name}"))
+    riders = sum(math.prod(out.shape) for out in rt.outputs.values()) if rt.ride is not None else 0
     for step in reversed(rt.program):  # gradient buckets launch in backward order
         if step.gate is None:
             continue
-        for key, quals in step.gate.buckets:
+        for pos, (key, quals) in enumerate(step.gate.buckets):
             numel = sum(rt.params[q].numel() for q in quals)
             dtype = _dtype(rt.params[quals[0]].dtype)
-            colls.setdefault(tuple(key), []).append((numel, dtype, f"gradients of {', '.join(quals[:3])}"
-                                                     + (" ..." if len(quals) > 3 else "")))
+            what = f"gradients of {', '.join(quals[:3])}" + (" ..." if len(quals) > 3 else "")
+            if rt.ride == (step.op.name, pos):
+                numel += riders
+                what += " and the outputs"
+            colls.setdefault(tuple(key), []).append((numel, dtype, what))
     return {"p2p": p2p, "collectives": colls}
 
 
@@ -77,7 +82,11 @@ def describe(rt) -> str:
             dsts = sorted({p.dst for p in ex.sends})
             lines.append(f"  send   {op.name} -> {ex.consumer} to rank(s) {dsts} (exchange {ex.index})")
     for out in rt.outputs.values():
-        lines.append(f"  reduce output {out.name} over all ranks (waited on at first read)")
+        if rt.ride is not None:
+            lines.append(f"  reduce output {out.name} with the gradients passing {rt.ride[0]} "
+                         f"(there after backward)")
+        else:
+            lines.append(f"  reduce output {out.name} over all ranks (waited on at first read)")
     return "\n".join(lines)
 
 

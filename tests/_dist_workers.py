@@ -148,12 +148,21 @@ def make_strategy(spec: str, graph, machine) -> Strategy:
     raise ValueError(spec)
 
 
+def _spec_flags(spec: str) -> tuple[str, set]:
+    """"STRATEGY...[+flag]...": the spec without its flags, and the flags.
+    +tiny: ~100-byte gradient buckets (nearly every shard its own all-reduce);
+    +ride: reduce_outputs="with_gradients"; +early: every rank reads the loss
+    before its backward."""
+    base, *flags = spec.split("+")
+    return base, set(flags)
+
+
 def _parse_spec(spec: str):
     """"STRATEGY[@R1,R2,..|#N][+tiny]": the strategy on the ranks listed (device k
     on rank Rk) or on the first N ranks; "+tiny": ~100-byte gradient buckets,
     so that nearly every shard is its own all-reduce."""
-    tiny = spec.endswith("+tiny")
-    spec = spec.removesuffix("+tiny")
+    spec, flags = _spec_flags(spec)
+    tiny = "tiny" in flags
     devices = None
     if "@" in spec:
         spec, ranks = spec.split("@")
@@ -170,9 +179,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-3) if b.numel() else 0.0
 
 
-def _train(model, module, batch: int, steps: int = STEPS):
+def _train(model, module, batch: int, steps: int = STEPS, early: bool = False):
     """SGD steps on fresh batches; step 1 accumulates the gradients of two
-    backward passes (another batch first) before updating."""
+    backward passes (another batch first) before updating.  ``early``: read
+    the loss before its backward too."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
@@ -180,6 +190,8 @@ def _train(model, module, batch: int, steps: int = STEPS):
         if step == 1:
             model(*batch_for_step(module, batch, 50)).backward()
         loss = model(*batch_for_step(module, batch, step))
+        if early:
+            losses.append(float(loss.detach()))
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -222,9 +234,18 @@ def equivalence(rank: int, cases):
             base, devices, tiny = _parse_spec(spec)
             n = world if devices is None else (devices if isinstance(devices, int) else len(devices))
             strategy = make_strategy(base, graph, Machine.preset("cpu", devices=n))
+            flags = _spec_flags(spec)[1]
             model = parallelize(module, devices, example_inputs=example, strategy=strategy,
-                                bucket_cap_mb=1e-4 if tiny else 25.0)
-            losses = _train(model, module, batch)
+                                bucket_cap_mb=1e-4 if tiny else 25.0,
+                                reduce_outputs="with_gradients" if "ride" in flags else "eager")
+            losses = _train(model, module, batch, early="early" in flags)
+            if "early" in flags:  # the loss read before and after the backward: the same value
+                if losses[0::2] != losses[1::2]:
+                    raise AssertionError(f"{spec}: loss read before backward {losses[0::2]} differs "
+                                         f"from after {losses[1::2]}")
+                losses = losses[1::2]
+            if "ride" in flags and model.runtime.ride is None and strategy.name == "data_parallel":
+                raise AssertionError(f"{spec}: data parallelism found no gradient bucket to carry the outputs")
             state = model.state_dict()
             rec = {"model": name, "spec": spec, "mode": mode, "losses": losses,
                    "exchanges": model.runtime.num_exchanges, "comm_bytes": model.runtime.comm_bytes}

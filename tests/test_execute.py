@@ -37,7 +37,10 @@ HEAVY = {"inception_v3", "resnet101"}  # hundreds of ops: fewer random strategie
 
 # (model, batch, mode, strategies, check state_dict round trip)
 CASES_2 = [(m, 5, "eval", BASIC + (["random:0"] if m in HEAVY else ["random:0", "random:1"])
-            + (["data_parallel+tiny"] if m == "transformer" else []),  # +tiny: 100-byte buckets
+            + (["data_parallel+tiny"] if m == "transformer" else [])  # +tiny: 100-byte buckets
+            # +ride: the loss rides on the gradient all-reduce; +early: read before backward too
+            + (["data_parallel+ride", "random:0+ride", "data_parallel+tiny+ride+early", "model_parallel+ride"]
+               if m in ("rnnlm", "transformer") else []),
             m in ("lenet", "transformer")) for m in ZOO]
 CASES_2 += [
     ("branchnet", 5, "eval", BASIC + ["random:0", "random:1", "random:2"], False),
@@ -196,6 +199,8 @@ def test_single_process_errors():
         parallelize(module)
     with pytest.raises(ValueError, match="devices"):
         parallelize(module, 2, example_inputs=inputs)
+    with pytest.raises(ValueError, match="reduce_outputs must be one of 'eager', 'with_gradients'"):
+        parallelize(module, example_inputs=inputs, reduce_outputs="later")
     graph = ff.trace(module, inputs)
     dp2 = Strategy.data_parallel(graph, Machine.preset("cpu", devices=2))
     with pytest.raises(StrategyError, match="device 1"):
