@@ -12,7 +12,10 @@ contenders on the same processes and the same global batch:
   each rank running its half of the batch (what a user writes by hand);
 - ``flexflow_dp``: ``flexflow.parallelize`` with ``Strategy.data_parallel``;
 - ``flexflow_searched``: ``flexflow.parallelize`` with no strategy: rank 0
-  searches (``--budget`` seconds, on the detected host) and broadcasts.
+  searches (``--budget`` seconds, on the detected host) and broadcasts;
+- ``flexflow_dp_ride``: data parallel with ``reduce_outputs="with_gradients"``
+  (the global loss rides on the gradient all-reduce: no collective beyond
+  DDP's, which returns each rank's local loss).
 
 Rounds alternate between the contenders so that load from other jobs hits
 them alike; each round is ``--steps`` SGD steps, timed on every rank, and a
@@ -77,7 +80,7 @@ CASES = [("wide_mlp", 32), ("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
 
 
 def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: float,
-            check_steps: int = 0):
+            check_steps: int = 0, ride: bool = False):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -96,6 +99,10 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
     search_s = time.perf_counter() - t0
     runs = {"ddp": _Trainer(ddp, tuple(x[lo:hi] for x in inputs)), "flexflow_dp": _Trainer(dp, inputs),
             "flexflow_searched": _Trainer(searched, inputs)}
+    if ride:
+        runs["flexflow_dp_ride"] = _Trainer(ff.parallelize(
+            module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine), machine=machine,
+            reduce_outputs="with_gradients"), inputs)
     check = _losses(runs["flexflow_searched"], check_steps)  # from the initial parameters
     for t in runs.values():
         t.steps(3)  # warm-up
@@ -111,6 +118,8 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
         out["predicted_s"] = {"ddp": sim.simulate(dp_s).iteration_time,
                               "flexflow_dp": sim.simulate(dp_s).iteration_time,
                               "flexflow_searched": sim.simulate(searched.strategy).iteration_time}
+        if ride:
+            out["predicted_s"]["flexflow_dp_ride"] = out["predicted_s"]["flexflow_dp"]
         out["search_s"] = search_s
         out["machine"] = machine.name
         out["strategy_table"] = _strategy_lines(graph, searched.strategy, dp_s)
@@ -124,12 +133,14 @@ def _strategy_lines(graph, strategy, dp) -> list[str]:
             if strategy[op.name] != dp[op.name]]
 
 
-def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check_steps: int = 0) -> dict:
+def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check_steps: int = 0,
+            ride: bool = False) -> dict:
     """One launch of 2 processes for one model: the row of the report.  With
     ``check_steps``, also the searched run's first losses from the initial
-    parameters (``check_losses``, rank 0), to compare with :func:`reference_losses`."""
+    parameters (``check_losses``, rank 0), to compare with :func:`reference_losses`;
+    ``ride``: one more contender, ``flexflow_dp_ride``."""
     ff.Machine.detect()  # calibrate a new host here, before the ranks read the cached figures
-    res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, check_steps, timeout_s=900)
+    res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, check_steps, ride, timeout_s=900)
     per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
     med = {k: statistics.median(v) for k, v in per.items()}
     return {"model": name, "batch": batch, "processes": 2, "steps_per_round": steps, "rounds": rounds,
@@ -161,7 +172,7 @@ def _losses(trainer, steps: int) -> list[float]:
 def run(cases, steps: int, rounds: int, budget: float) -> list[dict]:
     rows = []
     for name, batch in cases:
-        row = measure(name, batch, steps, rounds, budget)
+        row = measure(name, batch, steps, rounds, budget, ride=True)
         rows.append(row)
         print(f"{name:12s} " + "  ".join(f"{k} {row['step_ms'][k]:7.2f} ms ({row['vs_ddp'][k]:.2f}x DDP, "
                                          f"pred {row['predicted_ms'][k]:.2f})" for k in row["step_ms"]),
@@ -171,7 +182,7 @@ def run(cases, steps: int, rounds: int, budget: float) -> list[dict]:
 
 def write_report(rows, command: str, seconds: float, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    names = ["ddp", "flexflow_dp", "flexflow_searched"]
+    names = [k for k in ("ddp", "flexflow_dp", "flexflow_dp_ride", "flexflow_searched") if k in rows[0]["step_ms"]]
     lines = ["# Measured speed against DDP (2 gloo processes, CPU)", "",
              f"Command (from the repository root): `{command}` ({seconds:.0f} s; torch {torch.__version__}, "
              f"{os.cpu_count()} CPUs, one thread per process).", "",
