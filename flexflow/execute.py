@@ -704,12 +704,20 @@ class Runtime:
         pvals.update(self.buffers)
         if grad and self.sync.armed:  # a previous backward failed before its end
             self.sync.reset()
+        # under torch.profiler each partition's compute is a range named as the
+        # simulator names its task ("<op> fwd"), so the two timelines line up
+        profiling = torch.autograd.profiler._is_profiler_enabled
         for step, free in zip(self.program, self.free_before):
             for name in free:
                 vals.pop(name, None)
             op = step.op
             if step.run is not None:
-                vals[op.name] = out = step.run(vals, pvals)
+                if profiling:
+                    with torch.profiler.record_function(f"{op.name} fwd"):
+                        out = step.run(vals, pvals)
+                else:
+                    out = step.run(vals, pvals)
+                vals[op.name] = out
                 if op.name in self.sends_after:
                     self._post_sends(op.name, out)
                 continue
@@ -748,11 +756,11 @@ class Runtime:
                 if reshape_to is not None:
                     t = t.reshape(reshape_to)
                 params[local] = t if region is None else t[region]
-            rule = RULES[op.rule]
-            if op.attrs.get("stacked") and hasattr(rule, "compute_parts"):  # (h, c) kept apart
-                vals[op.name] = _Stacked(rule.compute_parts(op, step.part.block, ins, params))
+            if profiling:
+                with torch.profiler.record_function(f"{op.name} fwd"):
+                    vals[op.name] = _compute(op, step.part.block, ins, params)
             else:
-                vals[op.name] = rule.compute(op, step.part.block, ins, params)
+                vals[op.name] = _compute(op, step.part.block, ins, params)
             if op.name in self.sends_after:
                 self._post_sends(op.name, vals[op.name])
         results = {}
@@ -856,6 +864,14 @@ class _Stacked:
             sub = self.parts[first]
             return _Stacked(sub if full else [p[rest] for p in sub])
         return self.stack()[idx]
+
+
+def _compute(op: Op, block, ins: list, params: dict):
+    """One partition of ``op`` by its rule; an LSTM cell's (h, c) kept apart."""
+    rule = RULES[op.rule]
+    if op.attrs.get("stacked") and hasattr(rule, "compute_parts"):
+        return _Stacked(rule.compute_parts(op, block, ins, params))
+    return rule.compute(op, block, ins, params)
 
 
 def _tensor(vals: dict, name: str):
