@@ -61,7 +61,20 @@ def _compute_figures(torch) -> dict:
     src = torch.ones(8 * MiB)  # 32 MiB of float32
     dst = torch.empty_like(src)
     mem_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src))
-    return {"peak_flops": flops, "mem_bw_Bps": mem_bw}
+    return {"peak_flops": flops, "mem_bw_Bps": mem_bw, "launch_overhead_s": _eager_op_time(torch)}
+
+
+def _eager_op_time(torch, n: int = 200) -> float:
+    """Seconds per eager aten op on a tiny tensor, forward (with autograd
+    recording) and its backward node averaged: what an op costs beyond its work."""
+    x = torch.ones(4, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(n):
+            y = y * 1.0
+        y.sum().backward()
+    return _best_time(chain) / (2 * n)
 
 
 def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
@@ -140,6 +153,7 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
         "allreduce_latency_s": ar_lat / steps, "allreduce_bandwidth_Bps": ar_inv * steps / nprocs,
         "peak_flops": {d: statistics.median(r["peak_flops"][d] for r in ranks) for d in sorted(dtypes)},
         "mem_bw_Bps": statistics.median(r["mem_bw_Bps"] for r in ranks),
+        "launch_overhead_s": statistics.median(r["launch_overhead_s"] for r in ranks),
         "samples": {"p2p": ranks[0]["p2p"], "allreduce": ar},
         "seconds": time.perf_counter() - start,
     }
@@ -151,8 +165,10 @@ def write_cpu_machine_file(figures: dict, path=None) -> Path:
     flops = dict(figures.get("peak_flops") or {})
     if "float32" not in flops:
         flops["float32"] = base.spec.flops("float32")
-    spec = dataclasses.replace(base.spec, peak_flops=flops, mem_bw_Bps=float(figures.get("mem_bw_Bps") or
-                                                                             base.spec.mem_bw_Bps))
+    spec = dataclasses.replace(base.spec, peak_flops=flops,
+                               mem_bw_Bps=float(figures.get("mem_bw_Bps") or base.spec.mem_bw_Bps),
+                               launch_overhead_s=float(figures.get("launch_overhead_s")
+                                                       or base.spec.launch_overhead_s))
     link = LinkSpec(float(figures["bandwidth_Bps"]), float(figures["latency_s"]), "loopback")
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
     d = machine.to_dict()

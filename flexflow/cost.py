@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .ir import Op, dtype_bytes
 from .ops import RULES
 from .ops.base import region_numel
+from .opcount import eager_op_counts
 from .profiledb import ProfileDB
 
 # Gradients are all-reduced in buckets of this size by the executor; the
@@ -194,6 +195,7 @@ class CostModel:
         self.overhead = None if overhead is None else (float(overhead[0]), float(overhead[1]))
         self.fits = dict(fits or {})
         self._memo: dict = {}
+        self._counts: dict = {}  # (op, split dims) -> eager ops forward and backward
 
     @classmethod
     def for_machine(cls, machine, profile_dir=None) -> "CostModel":
@@ -244,6 +246,17 @@ class CostModel:
         spec = self.machine.devices[device].spec
         return "measured" if self._lookup(op, part, spec) is not None else "analytic"
 
+    def eager_ops(self, op: Op, part) -> tuple[int, int]:
+        """(forward, backward) eager ops of a partition (:func:`flexflow.opcount.eager_op_counts`),
+        counted once per op and set of split dims."""
+        split = tuple(sorted(d.name for d in op.dims if d.name in part.block
+                             and tuple(part.block[d.name]) != (0, d.size)))
+        key = (op.name, op.kind, tuple(op.input_shapes), split)
+        hit = self._counts.get(key)
+        if hit is None:
+            hit = self._counts[key] = eager_op_counts(op, part)
+        return hit
+
     def analytic(self, op: Op, part, spec) -> tuple[float, float]:
         """Roofline estimate (forward_s, backward_s) of a partition on a device spec."""
         if op.everywhere:
@@ -255,6 +268,12 @@ class CostModel:
         if fit is not None:
             oh_f, oh_b, eff = fit.overhead_fwd_s, fit.overhead_bwd_s, fit.efficiency
             bw, factor = bw * fit.bandwidth_scale, factor * fit.backward_scale
+        if fit is None and self.overhead is None and spec.kind == "cpu":
+            # no measurement of this host's ops: the launch overhead per eager op the
+            # rule issues (an LSTM cell is some 20 forward), plus one for the
+            # executor's own dispatch of the partition
+            nf, nb = self.eager_ops(op, part)
+            oh_f, oh_b = (nf + 1) * spec.launch_overhead_s, nb * spec.launch_overhead_s
         flops = partition_flops(op, part)
         nbytes = partition_bytes(op, part)
         work = max(flops / (spec.flops(op.dtype) * eff), nbytes / bw)
