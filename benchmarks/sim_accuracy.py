@@ -110,6 +110,7 @@ def main(argv=None) -> int:
             "expert": ff.Strategy.expert(graph, machine),
             **{f"random{k}": ff.Strategy.random(graph, machine, k) for k in range(1, 5)},
         }
+        analytic_sim = Simulator(graph, machine, CostModel(machine))  # what parallelize() uses unprofiled
         for label, s in strategies.items():
             profile_graph(graph, "cpu", strategy=s, repeats=3 if a.quick else 5)
         cost = CostModel.for_machine(machine)
@@ -119,12 +120,15 @@ def main(argv=None) -> int:
         cost = CostModel.for_machine(machine)
         sim = Simulator(graph, machine, cost)
         predicted = {k: sim.simulate(s, incremental=False).iteration_time for k, s in strategies.items()}
+        analytic = {k: analytic_sim.simulate(s, incremental=False).iteration_time for k, s in strategies.items()}
         got = ff.launch(_measure, NPROCS, name, batch, {k: s.to_json() for k, s in strategies.items()},
                         warmup, steps, rounds)[0]
         measured = {k: v["median_s"] for k, v in got.items()}
         for k in strategies:
             err = (predicted[k] - measured[k]) / measured[k]
             rows.append({"model": name, "batch": batch, "strategy": k, "predicted_ms": predicted[k] * 1e3,
+                         "analytic_ms": analytic[k] * 1e3,
+                         "analytic_error": (analytic[k] - measured[k]) / measured[k],
                          "measured_ms": measured[k] * 1e3, "error": err,
                          "spread_ms": [x * 1e3 for x in got[k]["spread_s"]]})
             print(f"{name:<12} {k:<15} predicted {predicted[k] * 1e3:8.2f} ms  measured "
@@ -134,8 +138,13 @@ def main(argv=None) -> int:
         sub = [r for r in rows if r["model"] == name]
         taus[name] = kendall_tau([r["predicted_ms"] for r in sub], [r["measured_ms"] for r in sub])
     errs = [abs(r["error"]) for r in rows]
+    a_errs = [abs(r["analytic_error"]) for r in rows]
+    a_taus = {name: kendall_tau([r["analytic_ms"] for r in rows if r["model"] == name],
+                                [r["measured_ms"] for r in rows if r["model"] == name]) for name, _ in CASES}
     summary = {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
                "within_30pct": sum(e < 0.3 for e in errs), "cases": len(errs), "kendall_tau": taus,
+               "analytic": {"median_abs_error": statistics.median(a_errs), "max_abs_error": max(a_errs),
+                            "within_30pct": sum(e < 0.3 for e in a_errs), "kendall_tau": a_taus},
                "calibration": {k: v for k, v in figures.items() if k != "samples"},
                "seconds": time.time() - t0}
     os.makedirs(RESULTS, exist_ok=True)
@@ -149,17 +158,25 @@ def main(argv=None) -> int:
              "partition the strategies need profiled on this CPU. Measured = median step time "
              f"(forward, backward, gradient sync, SGD step) over {rounds} interleaved rounds of {steps} steps "
              f"of every strategy, after {warmup} warm-up steps; spread = fastest and slowest step.",
-             "", "| model (small) | batch | strategy | predicted ms | measured ms (spread) | error |",
-             "|---|---:|---|---:|---:|---:|"]
+             " *analytic*: the prediction without any profile, as `parallelize()` searches on a host it has "
+             "not profiled (calibrated machine, eager ops counted per partition).",
+             "", "| model (small) | batch | strategy | predicted ms | measured ms (spread) | error "
+             "| analytic ms | analytic error |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lo, hi = r["spread_ms"]
         lines.append(f"| {r['model']} | {r['batch']} | {r['strategy']} | {r['predicted_ms']:.2f} | "
-                     f"{r['measured_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['error'] * 100:+.1f}% |")
+                     f"{r['measured_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['error'] * 100:+.1f}% | "
+                     f"{r['analytic_ms']:.2f} | {r['analytic_error'] * 100:+.1f}% |")
     lines += ["", f"Median |error| {summary['median_abs_error'] * 100:.1f}% (aim < 15%), largest "
               f"{summary['max_abs_error'] * 100:.1f}% (aim < 30%), {summary['within_30pct']} of "
               f"{summary['cases']} cases within 30%.", "",
               "Kendall's tau of predicted against measured ranking: "
               + ", ".join(f"{k} {v:.2f}" for k, v in taus.items()) + " (1.0 = ranking kept).", "",
+              f"Analytic (no profile): median |error| {summary['analytic']['median_abs_error'] * 100:.1f}%, "
+              f"largest {summary['analytic']['max_abs_error'] * 100:.1f}%, "
+              f"{summary['analytic']['within_30pct']} of {summary['cases']} within 30%; Kendall's tau "
+              + ", ".join(f"{k} {v:.2f}" for k, v in a_taus.items()) + ".", "",
               "![predicted against measured](sim_accuracy.png)", "",
               "## What limits the accuracy here", "",
               "- The executor now runs dataflow programs (receives posted ahead, sends as soon as the "
