@@ -50,6 +50,10 @@ def shutdown(wait_s: float = 10.0, destroy_default: bool = True) -> None:
     work), then destroy the default process group.  Idempotent; never raises."""
     import torch.distributed as dist
 
+    # garbage that still holds work objects (autograd graphs of the last steps
+    # kept alive by reference cycles) goes while its process groups exist:
+    # collected after they are destroyed, it crashes the process
+    gc.collect()
     with _lock:
         runtimes = list(_runtimes)
         _runtimes.clear()

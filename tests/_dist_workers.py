@@ -403,3 +403,27 @@ def mismatched_programs(rank: int):
         return {"error": None, "program": text}
     except ProgramMismatch as e:
         return {"error": str(e), "program": text, "same_as_describe": describe(rt).splitlines()[0]}
+
+
+def profiled_steps(rank: int, name: str = "rnnlm", seed: int = 1) -> str:
+    """Two training steps of a random strategy (exchanges both ways) under
+    torch.profiler with named ranges; the launch must then end cleanly."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    torch.set_num_threads(1)
+    module, example = build(name, 4)
+    graph = ff.trace(module, example)
+    strategy = ff.Strategy.random(graph, Machine.preset("cpu", devices=2), seed)
+    model = parallelize(module, example_inputs=example, strategy=strategy)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(2):
+            with record_function(f"step {k}"):
+                opt.zero_grad()
+                loss = model(*example)
+                loss.backward()
+                opt.step()
+                loss.item()
+    names = {e.name for e in prof.events()}
+    missing = [op.name for op in graph.compute_ops if f"{op.name} fwd" not in names
+               and any(p.device == rank for p in ff.strategy.partitions(op, strategy[op.name]))]
+    return "ok" if not missing else f"no profiler range for {missing[:5]}"

@@ -108,3 +108,11 @@ def test_mismatched_programs_fail_at_setup_on_every_rank():
     assert out[0]["error"] == out[1]["error"]  # every rank names the same first mismatch
     assert "run    conv1" in out[0]["program"] and "send   " in out[0]["program"]
     assert "wait   " in out[1]["program"]
+
+
+def test_profiled_steps_end_cleanly():
+    """torch.profiler keeps the last steps' autograd graphs (and their work
+    objects) in reference cycles; the launch must still exit 0 (they are
+    collected before the process groups go), and every partition this rank
+    computes is a named range, as the simulator names its tasks."""
+    assert launch(W.profiled_steps, 2, timeout_s=120) == ["ok", "ok"]
