@@ -14,7 +14,7 @@ is found through autograd's sequence numbers: the backward functions whose
 sequence number belongs to an aten op recorded inside the op's forward range.
 
 Writes, under ``benchmarks/results/timeline/``: ``<model>-<strategy>-predicted.json``
-(``SimResult.to_chrome_trace``), ``<model>-<strategy>-rank<r>.json`` (the
+(``SimResult.to_chrome_trace``), ``<model>-<strategy>-rank<r>.json.gz`` (the
 profiler's trace of the recorded step) and ``<model>-<strategy>.md``: per
 device, the predicted and measured forward and backward time of every op
 partition (the cost model's ``op_time``, which the simulator's tasks
@@ -27,6 +27,7 @@ sum), the totals, and what the measured step spends outside op compute
 from __future__ import annotations
 
 import argparse
+import gzip
 import sys
 import time
 from pathlib import Path
@@ -112,7 +113,11 @@ def _worker(rank, name, batch, strategy_json, warmup, out_dir, tag):
         for k in range(2):  # the second step is the one compared (the first warms the profiler)
             with record_function(f"ff step {k}"):
                 step().item()
-    prof.export_chrome_trace(str(Path(out_dir) / f"{tag}-rank{rank}.json"))
+    raw = Path(out_dir) / f"{tag}-rank{rank}.json"
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as f, gzip.open(str(raw) + ".gz", "wb") as g:  # Perfetto opens .json.gz
+        g.write(f.read())
+    raw.unlink()
     return measured_ops(prof.events(), "ff step 1", {op.name for op in graph.ops})
 
 
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
     lines = [f"# Predicted against measured, op by op: {a.model} (batch {batch}), {strategy.name}", "",
              f"Command: `python benchmarks/timeline_compare.py --model {a.model} --strategy {a.strategy} "
              f"--batch {batch}` ({time.perf_counter() - t0:.0f} s for the run); machine `{machine.name}`. "
-             f"Traces: `{tag}-predicted.json` (simulated) and `{tag}-rank<r>.json` (torch.profiler), "
+             f"Traces: `{tag}-predicted.json` (simulated) and `{tag}-rank<r>.json.gz` (torch.profiler), "
              "in this folder; open them side by side in Perfetto.", "",
              f"Simulated iteration: **{res.iteration_time * 1e3:.2f} ms**; measured step (rank 0 / 1): "
              + " / ".join(f"**{g['spans']['step'] * 1e3:.2f} ms**" for g in got)
