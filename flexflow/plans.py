@@ -13,7 +13,7 @@ from .ir import dtype_bytes
 from .memory import Liveness, optimizer_state_copies
 from .ops.base import region_numel
 from .strategy import overlap, param_placement, partitions, pick_replica, validate_config
-from .taskkeys import _AB, _JB, _PB, B, F, SYNC, SYNC_MODELS, UPD, XB, XF, _prio, _ps
+from .taskkeys import _AB, _JB, _PB, PS, B, F, SYNC, SYNC_MODELS, UPD, XB, XF, _prio, _ps
 
 __all__ = ["Context"]
 
@@ -37,7 +37,7 @@ class _EdgePlan:
 
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
-    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols")
+    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb")
 
 
 class Context:
@@ -352,5 +352,10 @@ class Context:
         for d in sorted(upd_s):
             bdep = [(o, dv.index(d)) for o, dv in devs if d in dv] if d in upd_bdep else []
             cp.upd[d] = (upd_s[d], upd_syncs.get(d, []), bdep)
+        # a lower bound on this cluster's share of its devices' update tasks: a unit's update
+        # lasts round(sum of its clusters' seconds) >= that sum - 1/2 ps (float slack besides)
+        cp.upd_lb = np.zeros(D, np.int64)
+        for d, (s, _, _) in cp.upd.items():
+            cp.upd_lb[d] = max(0, int(s * PS * (1.0 - 1e-9) - 0.5))
         self._cluster[key] = cp
         return cp
