@@ -4,8 +4,6 @@ config), parameter plans per (cluster, users' configs).  Regions come only from
 :func:`flexflow.strategy.partitions` and :func:`flexflow.strategy.param_placement`."""
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from .cost import GRAD_BUCKET_BYTES
@@ -220,7 +218,6 @@ class Context:
         validate_config(opu, cu, self.D)
         validate_config(opo, co, self.D)
         nd = len(opu.output_shape)
-        axis_iv = [sorted({(p.output[a].start, p.output[a].stop) for p in pu}) for a in range(nd)]
         by_box: dict[tuple, list[int]] = {}
         for q, p in enumerate(pu):
             by_box.setdefault(tuple((s.start, s.stop) for s in p.output), []).append(q)
@@ -230,35 +227,31 @@ class Context:
         e.recv = np.zeros(self.D, np.int64)
         e.busy = np.zeros(self.R, np.int64)
         e.comm = 0
-        for k, pk in enumerate(po):
-            reg = pk.inputs[j]
-            if reg is None:
-                continue
-            cands = [[iv for iv in axis_iv[a] if iv[0] < reg[a].stop and reg[a].start < iv[1]]
-                     for a in range(nd)]
-            for box in itertools.product(*cands):
-                qs = by_box.get(box, ())
-                if len(qs) > 1 and not pu[0].partial:  # replicas (not partial sums): read one copy
-                    qs = (pick_replica(qs, pu, pk.device, k),)
-                for q in qs:
-                    ov = overlap(reg, pu[q].output)
-                    nb = 0 if ov is None else region_numel(ov) * bpe
-                    if nb <= 0:
-                        continue
-                    a, b = pu[q].device, pk.device
-                    if a == b:
-                        e.pairs.append((q, k, nb, -1, None, None, -1, None, None))
-                        continue
-                    fr1, frm = self.route(a, b)
-                    br1, brm = self.route(b, a)
-                    fd, bd = self.transfer_ps(a, b, nb), self.transfer_ps(b, a, nb)
-                    e.pairs.append((q, k, nb, fr1, frm, fd, br1, brm, bd))
-                    e.recv[b] += nb
-                    e.comm += 2 * nb
-                    for r in (frm or (fr1,)):
-                        e.busy[r] += fd
-                    for r in (brm or (br1,)):
-                        e.busy[r] += bd
+        busy: dict[int, int] = {}
+        pairs = e.pairs
+        for k, box, n in self._overlaps(pu, po, j, nd, by_box):
+            qs = by_box[box]
+            pk = po[k]
+            if len(qs) > 1 and not pu[0].partial:  # replicas (not partial sums): read one copy
+                qs = (pick_replica(qs, pu, pk.device, k),)
+            nb = n * bpe
+            for q in qs:
+                a, b = pu[q].device, pk.device
+                if a == b:
+                    pairs.append((q, k, nb, -1, None, None, -1, None, None))
+                    continue
+                fr1, frm = self.route(a, b)
+                br1, brm = self.route(b, a)
+                fd, bd = self.transfer_ps(a, b, nb), self.transfer_ps(b, a, nb)
+                pairs.append((q, k, nb, fr1, frm, fd, br1, brm, bd))
+                e.recv[b] += nb
+                e.comm += 2 * nb
+                for r in (frm or (fr1,)):
+                    busy[r] = busy.get(r, 0) + fd
+                for r in (brm or (br1,)):
+                    busy[r] = busy.get(r, 0) + bd
+        for r, v in busy.items():
+            e.busy[r] = v
         e.identity = (len(pu) == len(po) and len(e.pairs) == len(po)
                       and all(x[0] == x[1] == k and x[5] is None for k, x in enumerate(e.pairs)))
         xs = [x for x in e.pairs if x[5] is not None]
@@ -270,6 +263,34 @@ class Context:
                    [_prio(o, XB, j, x[1], x[0]) for x in xs])
         self._edge[key] = e
         return e
+
+    @staticmethod
+    def _overlaps(pu, po, j: int, nd: int, by_box: dict):
+        """(consumer partition k, producer output box, elements) for every box that overlaps
+        what k reads of input j, k-major and boxes in lexicographic order."""
+        boxes = sorted(by_box)
+        regs = [pk.inputs[j] for pk in po]
+        ks = [k for k, r in enumerate(regs) if r is not None]
+        if not ks or not boxes:
+            return []
+        if any(len(regs[k]) != nd for k in ks):  # not expected: the plain intersection
+            out = []
+            for k in ks:
+                for box in boxes:
+                    ov = overlap(regs[k], tuple(slice(a, b) for a, b in box))
+                    n = 0 if ov is None else region_numel(ov)
+                    if n > 0:
+                        out.append((k, box, n))
+            return out
+        lo = np.array([[iv[0] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
+        hi = np.array([[iv[1] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
+        rlo = np.array([[x.start for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+        rhi = np.array([[x.stop for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+        ln = np.minimum(hi[None], rhi[:, None]) - np.maximum(lo[None], rlo[:, None])
+        num = np.clip(ln, 0, None).prod(axis=2)
+        kk, bb = np.nonzero(num)
+        vals = num[kk, bb].tolist()
+        return [(ks[x], boxes[y], v) for x, y, v in zip(kk.tolist(), bb.tolist(), vals)]
 
     def ps_sync_ps(self, devices, nbytes: int) -> int:
         """Parameter-server sync of one gradient among ``devices``: every other replica sends
