@@ -98,8 +98,12 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
     cm = CostModel(machine)
     t = time.perf_counter()
     base = baseline_strategies(graph, machine, cm)  # OptCNN's DP is the costly part
+    from flexflow.simulate import Simulator
+    bsim = Simulator(graph, machine, cm)
+    base_res = {k: bsim.simulate(s, incremental=False) for k, s in base.items()}
     base_s = time.perf_counter() - t
-    res = search(graph, machine, budget=budget_s, seed=0, cost_model=cm, progress=False, baselines=base)
+    res = search(graph, machine, budget=budget_s, seed=0, cost_model=cm, progress=False, baselines=base,
+                 baseline_results=base_res)
     dp = res.baselines["data_parallel"].iteration_time
     case = {
         "network": name, "cluster": cluster, "devices": devices, "ops": len(graph.compute_ops),
@@ -112,7 +116,8 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
         "speedup_over_best_baseline": min(r.iteration_time for r in res.baselines.values() if r.feasible)
         / res.result.iteration_time if any(r.feasible for r in res.baselines.values()) else None,
         "search_seconds": res.seconds, "baseline_seconds": base_s,
-        "evaluations": res.evaluations, "accept_rate": res.accept_rate,
+        "evaluations": res.evaluations, "simulations": res.simulations, "screened": res.screened,
+        "accept_rate": res.accept_rate,
         "local_optimum": res.local_optimum,
         "history": res.history[-20:],
         "strategy": strategy_diff(res.strategy, res.baseline_strategies["data_parallel"]),
@@ -120,14 +125,13 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
     # delta vs full simulation at one evaluation budget, baselines reused; the full
     # simulation's cost decides how many evaluations fit
     t = time.perf_counter()
-    from flexflow.simulate import Simulator
     Simulator(graph, machine, cm).simulate(res.baseline_strategies["data_parallel"], incremental=False)
     full_sim_s = time.perf_counter() - t
     n = int(max(40, min(delta_evals, delta_full_cap_s / max(full_sim_s, 1e-6))))
     runs = {}
     for delta in (True, False):
         r = search(graph, machine, evaluations=n, seed=1, cost_model=cm, delta=delta, progress=False,
-                   baselines=base)
+                   baselines=base, baseline_results=base_res)
         runs[delta] = r
     d, f = runs[True], runs[False]
     case["delta_vs_full"] = {
@@ -148,14 +152,19 @@ def ps_case(graph, machine, cm, base, budget_s) -> dict:
     replica and sent back after the task graph, no overlap): data parallelism, and a search
     scored that way when ``budget_s`` is given."""
     from flexflow.simulate import Simulator
-    dp = Simulator(graph, machine, cm, sync="ps").simulate(base["data_parallel"], incremental=False)
+    psim = Simulator(graph, machine, cm, sync="ps")
+    dp = psim.simulate(base["data_parallel"], incremental=False)
     out = {"data_parallel": row(dp)}
     if budget_s is not None:
+        base_res = {k: psim.simulate(s, incremental=False) for k, s in base.items()}
         r = search(graph, machine, budget=budget_s, seed=0, cost_model=cm, progress=False, baselines=base,
-                   sync="ps")
+                   baseline_results=base_res, sync="ps")
         out["searched"] = row(r.result)
         out["speedup_over_dp"] = dp.iteration_time / r.result.iteration_time
         out["evaluations"] = r.evaluations
+        out["simulations"] = r.simulations
+        out["worse_than"] = [k for k, b in base_res.items() if b.feasible >= r.result.feasible
+                             and r.result.iteration_time > b.iteration_time * (1 + 1e-12)]
     return out
 
 
@@ -189,9 +198,15 @@ def markdown(cases: list[dict], meta: dict) -> str:
          "one is known). `src`: `search` when the search beat every baseline, else the baseline returned.", "",
          "`vs DP, PS sync`: the same search and data parallelism scored under the paper's sync model "
          "(see below).", "",
+         "`evals`: strategies the search evaluated (chain starts, MCMC proposals, polish); `sims`: those "
+         "it simulated exactly (delta or full).  The rest were rejected by the load lower bound "
+         "(`flexflow/bound.py`): a proposal whose bound already fails the Metropolis test, drawn "
+         "before simulating, is rejected exactly as its simulation would have been (the chain is the "
+         "same with and without this screen), so it counts as evaluated but not as simulated.  The "
+         "baselines are simulated before the budget starts (`base s`).", "",
          "| network | cluster | dev | data par. | model par. | expert | OptCNN | searched | speedup vs DP "
-         "| vs DP, PS sync | vs best baseline | src | evals | search s | base s |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+         "| vs DP, PS sync | vs best baseline | src | evals | sims | search s | base s |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for c in cases:
         b = c["baselines"]
 
@@ -203,7 +218,8 @@ def markdown(cases: list[dict], meta: dict) -> str:
                  f"{t(b['model_parallel'])} | {t(b['expert'])} | {t(b['optcnn'])} | {t(c['searched'])} | "
                  f"**{c['speedup_over_dp']:.2f}x** | {'' if ps is None else f'{ps:.2f}x'} | "
                  f"{'' if vb is None else f'{vb:.2f}x'} | {c['source']} | "
-                 f"{c['evaluations']} | {c['search_seconds']:.0f} | {c['baseline_seconds']:.0f} |")
+                 f"{c['evaluations']} | {c.get('simulations', '')} | {c['search_seconds']:.0f} | "
+                 f"{c['baseline_seconds']:.0f} |")
     L += ["", "## Data moved per iteration (Table 4 style)", "",
           "Activations (comm) and parameter sync bytes per iteration, summed over all transfers.", "",
           "| network | cluster | dev | DP comm | DP sync | expert comm | expert sync | searched comm "
@@ -227,8 +243,8 @@ def markdown(cases: list[dict], meta: dict) -> str:
           "**A user of DDP should believe the ring columns**; the PS columns only show how much of the "
           "paper's 1.3-3.3x comes from its sync model.", "",
           "| network | cluster | dev | DP ring ms | searched ring ms | ring speedup | DP PS ms | searched PS ms "
-          "| PS speedup | PS evals |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| PS speedup | PS evals | PS sims |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cases:
         ps = c.get("ps")
         if not ps:
@@ -239,7 +255,8 @@ def markdown(cases: list[dict], meta: dict) -> str:
         L.append(f"| {c['network']} | {c['cluster'].split('-')[0]} | {c['devices']} | "
                  f"{c['baselines']['data_parallel']['iteration_time_ms']:.1f} | "
                  f"{c['searched']['iteration_time_ms']:.1f} | {c['speedup_over_dp']:.2f}x | "
-                 f"{ps['data_parallel']['iteration_time_ms']:.1f} | {s_ms} | {s_sp} | {ps.get('evaluations', '')} |")
+                 f"{ps['data_parallel']['iteration_time_ms']:.1f} | {s_ms} | {s_sp} | {ps.get('evaluations', '')} | "
+                 f"{ps.get('simulations', '')} |")
     L += ["", "## Delta vs full simulation", "",
           "The same search (seed 1, same evaluation budget, baselines reused) with delta simulation "
           "(`incremental=True`) and with every proposal simulated from scratch (`delta=False`); "
@@ -299,6 +316,18 @@ def summarize(cases: list[dict]) -> str:
         sp = [x for n, x in ps if n == net]
         out.append(f"- Under the paper's parameter-server sync, {net}: searched / data parallel "
                    f"{min(sp):.2f}x-{max(sp):.2f}x (the paper: 1.3-3.3x).")
+    for n in sorted({c["devices"] for c in cases}):
+        cs = [c for c in cases if c["devices"] == n and "simulations" in c]
+        if cs:
+            ev = [c["evaluations"] for c in cs]
+            sm = [c["simulations"] for c in cs]
+            low = [c["network"] for c in cs if c["evaluations"] < 2000]
+            out.append(f"- {n} devices: {min(ev):,}-{max(ev):,} evaluations per search, {min(sm):,}-{max(sm):,} "
+                       "of them simulated" + (f"; under 2,000 evaluations: {', '.join(low)}" if low else "") + ".")
+    psw = [c for c in cases if c.get("ps", {}).get("worse_than")]
+    if any("searched" in c.get("ps", {}) for c in cases):
+        out.append(f"- PS-scored searches worse than a PS-scored baseline: {len(psw)} "
+                   + ("(none)" if not psw else ", ".join(f"{c['network']}/{c['devices']}" for c in psw)) + ".")
     dv = [c["delta_vs_full"]["speedup"] for c in cases]
     if dv:
         out.append(f"- Delta simulation: search {min(dv):.1f}x-{max(dv):.1f}x faster than full simulation; "

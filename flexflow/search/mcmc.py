@@ -16,13 +16,17 @@ from .common import (BASELINES, Candidates, SearchError, SearchResult, _better, 
 
 __all__ = ["search", "is_local_optimum"]
 
+_WARMUP = 50  # proposals a chain makes before it may restart from the best chain
+_LAGGING = 1.5  # ... when its cost is more than this times the best chain's
+_OVERHEAD_TASKS = 200  # a proposal's fixed cost, in tasks, for the turn taking
+
 
 def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_model=None, *,
            evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
            polish: bool = True, temperature: float = 0.01,
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
-           screen: bool = True, block: float = 0.25) -> SearchResult:
+           screen: bool = True, block: float = 0.25, baseline_results: dict | None = None) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     budget: seconds for the whole call (baselines included); ignored when
@@ -43,6 +47,9 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         callable(evaluations, seconds, best_time_s).
     baselines: name -> Strategy to reuse (e.g. a previous result's
         ``baseline_strategies``) instead of recomputing them.
+    baseline_results: name -> SimResult of those ``baselines`` under this cost
+        model, optimizer and sync model (e.g. a previous result's ``baselines``), to
+        reuse instead of simulating them again.
     optimizer: "sgd", "momentum" or "adam": whose state counts in the memory
         every strategy must fit.
     sync: the simulator's parameter-sync model ("ring", or "ps" for the paper's
@@ -77,8 +84,13 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")
-    sim0 = _simulator(graph, machine, cm, optimizer, sync)
-    base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
+    if baseline_results is not None:
+        if baselines is None or set(baseline_results) != set(base):
+            raise SearchError("baseline_results needs the baselines it was simulated from")
+        base_res = dict(baseline_results)
+    else:
+        sim0 = _simulator(graph, machine, cm, optimizer, sync)
+        base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
     scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
     scale_s = scale_s if scale_s > 0 else 1e-6
@@ -105,38 +117,60 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     mcmc_frac = 0.75 if polish else 1.0
     proposed = accepted = screened = 0
     try:
-        state, cost, sims, bounds = [], [], [], []
-        for _, s in starts:
+        state, cost, sims, bounds, size = [], [], [], [], []
+        for name, s in starts:
             sim = _simulator(graph, machine, cm, optimizer, sync)
-            res = sim.simulate(s, incremental=delta)
+            # a baseline start is simulated already; the chain's simulator starts with its
+            # first proposal
+            res = base_res[name] if name in base_res else sim.simulate(s, incremental=delta)
             state.append(s)
             cost.append(run.seen(s, res)[1])
             sims.append(sim)
-            bounds.append(LoadBound(sim.ctx, s) if screen else None)
+            size.append(res.num_tasks)
+        lead = min(range(len(starts)), key=cost.__getitem__)
+        for c in range(len(starts)):  # a hopeless start begins at the best one instead
+            if cost[c] > _LAGGING * cost[lead]:
+                state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
+        bounds = [LoadBound(sim.ctx, s) if screen else None for sim, s in zip(sims, state)]
+        # Chains take turns by work, not by rounds: the next proposal goes to the chain whose
+        # proposals so far add up to the fewest tasks (its current task graph's size per
+        # proposal), so a chain sitting on a huge task graph (OptCNN's or a random start's
+        # at 64 devices: 10x data parallelism's tasks) does not eat the budget.  A chain
+        # that is more than ``_LAGGING`` times the best chain's cost after ``_WARMUP``
+        # proposals restarts from the best chain's state.  Both rules see only accepted
+        # states, so the screen does not change them.
+        work = [0] * len(starts)
+        moves = [0] * len(starts)
         while space.movable and not run.spent(mcmc_frac, patience=True):
-            for c in range(len(starts)):
-                if run.spent(mcmc_frac, patience=True):
-                    break
-                new, groups = _propose(rng, space, state[c], block)
-                # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
-                u = rng.random()
-                proposed += 1
+            c = min(range(len(starts)), key=work.__getitem__)
+            work[c] += size[c] + _OVERHEAD_TASKS
+            moves[c] += 1
+            lead = min(range(len(starts)), key=cost.__getitem__)
+            if moves[c] > _WARMUP and cost[c] > _LAGGING * cost[lead]:
+                state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
                 if screen:
-                    lb = bounds[c].lower_bound(new, groups) / PS
-                    # cost >= lb > cur and u >= exp(-beta (lb - cur)) >= exp(-beta (cost - cur)):
-                    # the test below would reject it (the factor guards against rounding)
-                    if lb > cost[c] and run.can_screen(lb) and \
-                            u >= math.exp(-beta * (lb - cost[c])) * (1.0 + 1e-12):
-                        run.screened()
-                        screened += 1
-                        continue
-                res = sims[c].simulate(new, incremental=delta)
-                k = run.seen(new, res)
-                if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
-                    state[c], cost[c] = new, k[1]
-                    accepted += 1
-                    if screen:
-                        bounds[c].commit(new)
+                    bounds[c] = LoadBound(sims[c].ctx, state[c])
+                moves[c] = 0
+            new, groups = _propose(rng, space, state[c], block)
+            # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
+            u = rng.random()
+            proposed += 1
+            if screen:
+                lb = bounds[c].lower_bound(new, groups) / PS
+                # cost >= lb > cur and u >= exp(-beta (lb - cur)) >= exp(-beta (cost - cur)):
+                # the test below would reject it (the factor guards against rounding)
+                if lb > cost[c] and run.can_screen(lb) and \
+                        u >= math.exp(-beta * (lb - cost[c])) * (1.0 + 1e-12):
+                    run.screened()
+                    screened += 1
+                    continue
+            res = sims[c].simulate(new, incremental=delta)
+            k = run.seen(new, res)
+            if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
+                state[c], cost[c], size[c] = new, k[1], res.num_tasks
+                accepted += 1
+                if screen:
+                    bounds[c].commit(new)
         converged = False
         if polish and space.movable:
             converged, polished = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
