@@ -90,3 +90,21 @@ def test_block_moves_carry_a_split_downstream(graphs):
         sizes.append(len(groups))
     assert max(sizes) > 4
     assert all(len(_propose(rng, space, cur, 0.0)[1]) == 1 for _ in range(50))
+
+
+def test_reused_baseline_results_give_the_same_search(graphs):
+    from flexflow.search import SearchError, baseline_strategies
+    g = graphs["rnnlm"]
+    m = Machine.preset("k80-cluster", devices=8)
+    cm = CostModel(m)
+    base = baseline_strategies(g, m, cm)
+    sim = Simulator(g, m, cm)
+    res = {k: sim.simulate(s, incremental=False) for k, s in base.items()}
+    a = search(g, m, evaluations=300, seed=4, cost_model=cm, progress=False, baselines=base)
+    b = search(g, m, evaluations=300, seed=4, cost_model=cm, progress=False, baselines=base,
+               baseline_results=res)
+    assert a.strategy.to_json() == b.strategy.to_json() and a.evaluations == b.evaluations
+    assert [(e, t) for e, _, t in a.history] == [(e, t) for e, _, t in b.history]
+    assert a.simulations == b.simulations and all(b.baselines[k] is res[k] for k in res)  # reused as given
+    with pytest.raises(SearchError, match="baseline_results"):
+        search(g, m, evaluations=10, cost_model=cm, progress=False, baseline_results=res)

@@ -26,7 +26,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
            polish: bool = True, temperature: float = 0.01,
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
-           screen: bool = True, block: float = 0.25, baseline_results: dict | None = None) -> SearchResult:
+           screen: bool = True, block: float = 0.1, baseline_results: dict | None = None) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     budget: seconds for the whole call (baselines included); ignored when
@@ -61,7 +61,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         screened proposal counts as an evaluation (``SearchResult.screened``; the
         simulated ones are ``SearchResult.simulations``).
     block: probability that a proposal is a block move: the chosen config then
-        continues downstream through up to 32 consumer groups (``_Space.follow``:
+        continues downstream through up to 8 consumer groups (``_Space.follow``:
         the same config, or the same split of another op kind), as a layer's ops or
         an embedding and its per-step slices move together.
     """
@@ -202,7 +202,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> tuple[Strategy, list[int]]:
     """A random move from ``cur``: one movable share group to another of its candidates
     (uniformly: a symmetric proposal), and with probability ``block`` the same split carried
-    on downstream through 1-32 consumer groups.  Returns (strategy, changed groups)."""
+    on downstream through 1-8 consumer groups.  Returns (strategy, changed groups)."""
     gi = space.movable[rng.randrange(len(space.movable))]
     rep, cs, ix = space.reps[gi], space.cands[gi], space.index[gi]
     now = ix.get(cur[rep])
@@ -215,7 +215,7 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> 
     new = cur.replace(rep, cfg)
     groups = [gi]
     if block and rng.random() < block:
-        extra = 1 << rng.randrange(6)
+        extra = 1 << rng.randrange(4)
         seen, g = {gi}, gi
         while extra:
             step = None
