@@ -38,7 +38,7 @@ def test_bound_is_below_the_simulation_and_incremental_equals_fresh(graphs, name
     bound = LoadBound(sim.ctx, cur)
     assert bound.value() <= round(sim.simulate(cur).iteration_time * PS)
     tight = []
-    for i in range(120):
+    for i in range(60):
         new, groups = _propose(rng, space, cur, 0.5)
         lb = bound.lower_bound(new, groups)
         end = round(sim.simulate(new).iteration_time * PS)
@@ -65,7 +65,7 @@ def test_commit_needs_the_bounded_strategy(graphs):
 def test_screen_keeps_the_chain(graphs, name):
     g = graphs[name]
     m = Machine.preset("k80-cluster", devices=8)
-    runs = [search(g, m, evaluations=600, seed=2, progress=False, screen=s) for s in (True, False)]
+    runs = [search(g, m, evaluations=300, seed=2, progress=False, screen=s) for s in (True, False)]
     a, b = runs
     assert a.screened > 0 and b.screened == 0
     assert a.simulations + a.screened == a.evaluations == b.evaluations == b.simulations
