@@ -42,40 +42,44 @@ OUT = Path(__file__).resolve().parent / "results" / "search_quality"
 ANALYSIS = """\
 ### Reading the results (against the paper's 1.3-3.3x; ResNet-101 gains little)
 
+This run shared its 2-core host with another engineer's benchmarks (load average 4-6), so
+the 15-s searches made fewer evaluations than on a quiet host, and wall-clock ratios
+(delta against full) are noisy.
+
 - **Where the search wins.** AlexNet, 1.07-1.16x: its three fully connected layers hold
   96% of the parameters; the search keeps the convolutions data parallel and splits fc6-fc8
   along output channels (`C4` on 4 devices, hybrids `S2 C4` on 8, `S4 C4` on 16, `S16 C4` on
-  64), so their gradients are no longer all-reduced over every device: 0.34-0.59x the bytes
+  64), so their gradients are no longer all-reduced over every device: 0.34-0.49x the bytes
   of data parallelism per iteration.  The recurrent networks, 1.04-1.10x on 4-8 devices:
-  the embedding tables (10,000-32,000 x 1024) are split along the embedding dim (`E4`/`E8`)
-  and the per-step slices follow (`C`), which removes the largest gradient all-reduces; NMT
-  then moves 0.55-0.58x of data parallelism's bytes (the paper's searched NMT: 12.1 vs 65.8 GB
-  at 64 K80s; data parallelism moves 67.6 GB there in this simulator).  The LSTM cells and
-  the softmax stay data parallel.  Against OptCNN on 16 P100s the search is
-  1.18x (RNNTC), 1.58x (RNNLM) and 1.52x (NMT) faster: the paper's 1.2-1.6x on non-linear
-  graphs.  The gains are smaller than the paper's 1.3-3.3x because this simulator overlaps
-  the all-reduce of every parameter bucket with the rest of the backward pass: data
-  parallelism only pays for the sync that is left when the backward ends.
-- **Inception-v3 and ResNet-101: 1.00x** (the searched strategy is data parallelism or
-  within 0.01% of it).  With 64 images per device the convolutions are compute bound
-  (458 / 646 ms per iteration on P100s) while the parameters are small (95 / 178 MB): their
-  ring all-reduce takes 7-13 ms on NVLink and 14-27 ms over EDR, 1.5-4% of the iteration,
-  and overlaps with the backward pass.  Any other split of a convolution adds activation
-  transfers (or halos) larger than the sync it saves, so no single-op change improves on data
-  parallelism.  The paper too reports little gain for ResNet-101; its 12% on Inception-v3
-  came from measured sync that did not overlap this well.
-- **Recurrent networks at 16-64 devices: 1.00-1.04x, limited by the budget.**  15 s buy
-  22-637 evaluations there (RNNTC on 64 devices: 22 evaluations, about 0.7 s per delta
-  simulation).  Splitting an embedding pays off only once its 40 per-step slices follow it (some
-  40 coordinated single-op moves), which the MCMC did with 1,000-2,000 evaluations on 4-8
-  devices but not with a few hundred; the paper's searches ran for minutes (NMT on 16 P100s:
-  6 min).  Run `flexflow search nmt --machine k80-cluster --devices 64 --budget 600` for more.
-- **ResNet-101 on the K80s** does not fit 12 GB under any strategy here (the simulator keeps
-  every activation for the backward, no liveness); the result is then no slower than any
-  baseline and marked OOM.
-- **Delta simulation** makes the search 1.3-3.8x faster on the larger graphs (the paper:
-  2.2-6.9x) with the same result in every case; on AlexNet (22 ops) a full simulation is as
-  cheap as the delta bookkeeping (0.7-1.3x)."""
+  the embedding tables are split along the embedding dim and the per-step slices follow,
+  which removes the largest gradient all-reduces; NMT then moves 0.56-0.60x of data
+  parallelism's bytes there.  Against OptCNN on 16 P100s the search is 1.19x (RNNTC),
+  1.58x (RNNLM) and 1.52x (NMT) faster: the paper's 1.2-1.6x on non-linear graphs.  The
+  gains are smaller than the paper's 1.3-3.3x because this simulator overlaps the
+  all-reduce of every parameter bucket with the rest of the backward pass: data parallelism
+  only pays for the sync that is left when the backward ends (the PS columns show the
+  paper's sync model instead).
+- **Inception-v3 and ResNet-101: 1.00x** (the searched strategy is data parallelism).
+  With 64 images per device the convolutions are compute bound (458 / 645 ms per iteration
+  on P100s) while the parameters are small; their ring all-reduce overlaps with the
+  backward pass, and any other split of a convolution adds activation transfers (or halos)
+  larger than the sync it saves.  The paper too reports little gain for ResNet-101.  With
+  memory by liveness ResNet-101 under data parallelism fits a 12 GB K80 at every device count.
+- **Recurrent networks at 16-64 devices: 1.00-1.04x, limited by the budget.**  An exact
+  simulation there costs 0.04-1.1 s (RNNTC on 64 devices: 14 evaluations in 15 s), and the
+  load lower bound settles few of their proposals: they are slower through waiting, not
+  through load.  Splitting an embedding pays off only once its per-step slices follow it;
+  block moves propose that, but a few dozen evaluations are not enough.  Run
+  `flexflow search nmt --machine k80-cluster --devices 64 --budget 600` for more.
+- **Evaluations at 64 devices: far from 2,000 in 15 s.**  The load screen rejects most
+  proposals of the convolution networks without simulating them (`evals` against `sims`),
+  but every simulated proposal there costs 0.1-2 s in this run (cold transfer plans of
+  64-way redistributions, a loaded host), and the recurrent networks are nearly all
+  simulated.  See `sim_speed.md` for the per-proposal costs measured in CPU time.
+- **Delta against full simulation** gives the same strategy in every case.  The delta run
+  goes first and pays for the cold per-config plans (op times, transfer plans) that the full
+  run then finds cached, so the ratio understates the delta simulation; on the larger
+  device counts and on AlexNet (22 ops) it is at or below 1x in this run."""
 
 
 def build(name: str, cluster: str, devices: int):
@@ -98,8 +102,12 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
     cm = CostModel(machine)
     t = time.perf_counter()
     base = baseline_strategies(graph, machine, cm)  # OptCNN's DP is the costly part
+    from flexflow.simulate import Simulator
+    bsim = Simulator(graph, machine, cm)
+    base_res = {k: bsim.simulate(s, incremental=False) for k, s in base.items()}
     base_s = time.perf_counter() - t
-    res = search(graph, machine, budget=budget_s, seed=0, cost_model=cm, progress=False, baselines=base)
+    res = search(graph, machine, budget=budget_s, seed=0, cost_model=cm, progress=False, baselines=base,
+                 baseline_results=base_res)
     dp = res.baselines["data_parallel"].iteration_time
     case = {
         "network": name, "cluster": cluster, "devices": devices, "ops": len(graph.compute_ops),
@@ -112,7 +120,8 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
         "speedup_over_best_baseline": min(r.iteration_time for r in res.baselines.values() if r.feasible)
         / res.result.iteration_time if any(r.feasible for r in res.baselines.values()) else None,
         "search_seconds": res.seconds, "baseline_seconds": base_s,
-        "evaluations": res.evaluations, "accept_rate": res.accept_rate,
+        "evaluations": res.evaluations, "simulations": res.simulations, "screened": res.screened,
+        "accept_rate": res.accept_rate,
         "local_optimum": res.local_optimum,
         "history": res.history[-20:],
         "strategy": strategy_diff(res.strategy, res.baseline_strategies["data_parallel"]),
@@ -120,14 +129,13 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
     # delta vs full simulation at one evaluation budget, baselines reused; the full
     # simulation's cost decides how many evaluations fit
     t = time.perf_counter()
-    from flexflow.simulate import Simulator
     Simulator(graph, machine, cm).simulate(res.baseline_strategies["data_parallel"], incremental=False)
     full_sim_s = time.perf_counter() - t
     n = int(max(40, min(delta_evals, delta_full_cap_s / max(full_sim_s, 1e-6))))
     runs = {}
     for delta in (True, False):
         r = search(graph, machine, evaluations=n, seed=1, cost_model=cm, delta=delta, progress=False,
-                   baselines=base)
+                   baselines=base, baseline_results=base_res)
         runs[delta] = r
     d, f = runs[True], runs[False]
     case["delta_vs_full"] = {
@@ -148,14 +156,19 @@ def ps_case(graph, machine, cm, base, budget_s) -> dict:
     replica and sent back after the task graph, no overlap): data parallelism, and a search
     scored that way when ``budget_s`` is given."""
     from flexflow.simulate import Simulator
-    dp = Simulator(graph, machine, cm, sync="ps").simulate(base["data_parallel"], incremental=False)
+    psim = Simulator(graph, machine, cm, sync="ps")
+    dp = psim.simulate(base["data_parallel"], incremental=False)
     out = {"data_parallel": row(dp)}
     if budget_s is not None:
+        base_res = {k: psim.simulate(s, incremental=False) for k, s in base.items()}
         r = search(graph, machine, budget=budget_s, seed=0, cost_model=cm, progress=False, baselines=base,
-                   sync="ps")
+                   baseline_results=base_res, sync="ps")
         out["searched"] = row(r.result)
         out["speedup_over_dp"] = dp.iteration_time / r.result.iteration_time
         out["evaluations"] = r.evaluations
+        out["simulations"] = r.simulations
+        out["worse_than"] = [k for k, b in base_res.items() if b.feasible >= r.result.feasible
+                             and r.result.iteration_time > b.iteration_time * (1 + 1e-12)]
     return out
 
 
@@ -189,9 +202,15 @@ def markdown(cases: list[dict], meta: dict) -> str:
          "one is known). `src`: `search` when the search beat every baseline, else the baseline returned.", "",
          "`vs DP, PS sync`: the same search and data parallelism scored under the paper's sync model "
          "(see below).", "",
+         "`evals`: strategies the search evaluated (chain starts, MCMC proposals, polish); `sims`: those "
+         "it simulated exactly (delta or full).  The rest were rejected by the load lower bound "
+         "(`flexflow/bound.py`): a proposal whose bound already fails the Metropolis test, drawn "
+         "before simulating, is rejected exactly as its simulation would have been (the chain is the "
+         "same with and without this screen), so it counts as evaluated but not as simulated.  The "
+         "baselines are simulated before the budget starts (`base s`).", "",
          "| network | cluster | dev | data par. | model par. | expert | OptCNN | searched | speedup vs DP "
-         "| vs DP, PS sync | vs best baseline | src | evals | search s | base s |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+         "| vs DP, PS sync | vs best baseline | src | evals | sims | search s | base s |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for c in cases:
         b = c["baselines"]
 
@@ -203,7 +222,8 @@ def markdown(cases: list[dict], meta: dict) -> str:
                  f"{t(b['model_parallel'])} | {t(b['expert'])} | {t(b['optcnn'])} | {t(c['searched'])} | "
                  f"**{c['speedup_over_dp']:.2f}x** | {'' if ps is None else f'{ps:.2f}x'} | "
                  f"{'' if vb is None else f'{vb:.2f}x'} | {c['source']} | "
-                 f"{c['evaluations']} | {c['search_seconds']:.0f} | {c['baseline_seconds']:.0f} |")
+                 f"{c['evaluations']} | {c.get('simulations', '')} | {c['search_seconds']:.0f} | "
+                 f"{c['baseline_seconds']:.0f} |")
     L += ["", "## Data moved per iteration (Table 4 style)", "",
           "Activations (comm) and parameter sync bytes per iteration, summed over all transfers.", "",
           "| network | cluster | dev | DP comm | DP sync | expert comm | expert sync | searched comm "
@@ -227,8 +247,8 @@ def markdown(cases: list[dict], meta: dict) -> str:
           "**A user of DDP should believe the ring columns**; the PS columns only show how much of the "
           "paper's 1.3-3.3x comes from its sync model.", "",
           "| network | cluster | dev | DP ring ms | searched ring ms | ring speedup | DP PS ms | searched PS ms "
-          "| PS speedup | PS evals |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| PS speedup | PS evals | PS sims |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cases:
         ps = c.get("ps")
         if not ps:
@@ -239,7 +259,8 @@ def markdown(cases: list[dict], meta: dict) -> str:
         L.append(f"| {c['network']} | {c['cluster'].split('-')[0]} | {c['devices']} | "
                  f"{c['baselines']['data_parallel']['iteration_time_ms']:.1f} | "
                  f"{c['searched']['iteration_time_ms']:.1f} | {c['speedup_over_dp']:.2f}x | "
-                 f"{ps['data_parallel']['iteration_time_ms']:.1f} | {s_ms} | {s_sp} | {ps.get('evaluations', '')} |")
+                 f"{ps['data_parallel']['iteration_time_ms']:.1f} | {s_ms} | {s_sp} | {ps.get('evaluations', '')} | "
+                 f"{ps.get('simulations', '')} |")
     L += ["", "## Delta vs full simulation", "",
           "The same search (seed 1, same evaluation budget, baselines reused) with delta simulation "
           "(`incremental=True`) and with every proposal simulated from scratch (`delta=False`); "
@@ -299,6 +320,18 @@ def summarize(cases: list[dict]) -> str:
         sp = [x for n, x in ps if n == net]
         out.append(f"- Under the paper's parameter-server sync, {net}: searched / data parallel "
                    f"{min(sp):.2f}x-{max(sp):.2f}x (the paper: 1.3-3.3x).")
+    for n in sorted({c["devices"] for c in cases}):
+        cs = [c for c in cases if c["devices"] == n and "simulations" in c]
+        if cs:
+            ev = [c["evaluations"] for c in cs]
+            sm = [c["simulations"] for c in cs]
+            low = [f"{c['network']}/{c['cluster'].split('-')[0]}" for c in cs if c["evaluations"] < 2000]
+            out.append(f"- {n} devices: {min(ev):,}-{max(ev):,} evaluations per search, {min(sm):,}-{max(sm):,} "
+                       "of them simulated" + (f"; under 2,000 evaluations: {', '.join(low)}" if low else "") + ".")
+    psw = [c for c in cases if c.get("ps", {}).get("worse_than")]
+    if any("searched" in c.get("ps", {}) for c in cases):
+        out.append(f"- PS-scored searches worse than a PS-scored baseline: {len(psw)} "
+                   + ("(none)" if not psw else ", ".join(f"{c['network']}/{c['devices']}" for c in psw)) + ".")
     dv = [c["delta_vs_full"]["speedup"] for c in cases]
     if dv:
         out.append(f"- Delta simulation: search {min(dv):.1f}x-{max(dv):.1f}x faster than full simulation; "

@@ -16,6 +16,11 @@ p100-cluster and 16 and 64 devices of k80-cluster:
   with warm caches; ``delta cold`` is the first pass, which also computes the new configs'
   op times and transfer plans.
 - ``resim``: share of the tasks the delta simulation re-schedules (the rest is reused).
+- ``proposal``: what a search proposal costs with the load lower-bound screen of
+  ``ff.search`` (``flexflow/bound.py``): the same chain, each proposal first bounded and
+  only simulated when the bound cannot settle the Metropolis test (u drawn first);
+  ``screened`` is the share it settled without a simulation.  The chain keeps a proposal
+  by that test (temperature 1% of data parallelism's time, as in the search).
 
 Times are CPU seconds of this process (``time.process_time``): the host is shared.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -36,28 +42,34 @@ import flexflow as ff
 from flexflow.cost import CostModel
 from flexflow.machine import Machine
 from flexflow.simulate import Simulator
+from flexflow.bound import LoadBound
 from flexflow.strategy import Strategy, candidate_configs
+from flexflow.taskkeys import PS
 
 CASES = [("p100-cluster", 4), ("p100-cluster", 16), ("k80-cluster", 16), ("k80-cluster", 64)]
 MODELS = ["inception_v3", "nmt"]
 
 
-def chain(graph, machine, n, seed):
-    """A search-like list of proposals: (strategy, keep it?) decided on a scratch simulator."""
+def chain(graph, machine, n, seed, temperature=0.01):
+    """A search-like list of proposals, (strategy, group, u, keep it?), kept by the search's
+    Metropolis test (u drawn before simulating) on a scratch simulator."""
     sim = Simulator(graph, machine, CostModel(machine))
     rng = random.Random(seed)
     reps = [m[0] for m in graph.groups.values()]
     cur = Strategy.data_parallel(graph, machine)
-    best = sim.simulate(cur).iteration_time
+    now = sim.simulate(cur).iteration_time
+    beta = math.log(2.0) / (temperature * now)
     out = []
     for _ in range(n):
-        op = rng.choice(reps)
+        gi = rng.randrange(len(reps))
+        op = reps[gi]
         new = cur.replace(op, rng.choice(candidate_configs(graph.op(op), machine)))
+        u = rng.random()
         t = sim.simulate(new).iteration_time
-        keep = t <= best
-        out.append((new, keep))
+        keep = t <= now or u < math.exp(-beta * (t - now))
+        out.append((new, gi, u, keep, beta))
         if keep:
-            cur, best = new, t
+            cur, now = new, t
     return out
 
 
@@ -67,13 +79,34 @@ def run_chain(sim, start, props):
     sim.simulate(start)
     before = sim.stats["resimulated_tasks"]
     tasks = 0
-    for s, _ in props:
+    for s, *_ in props:
         t0 = time.process_time()
         r = sim.simulate(s)
         times.append(time.process_time() - t0)
         tasks += r.num_tasks
     resim = sim.stats["resimulated_tasks"] - before
     return times, resim / max(tasks, 1)
+
+
+def run_screened(sim, start, props):
+    """The chain as the search runs it: bound first, simulate only what the bound cannot
+    reject.  Returns per-proposal CPU seconds and how many were screened."""
+    now = sim.simulate(start).iteration_time
+    bound = LoadBound(sim.ctx, start)
+    times, screened = [], 0
+    for s, gi, u, keep, beta in props:
+        t0 = time.process_time()
+        lb = bound.lower_bound(s, [gi]) / PS
+        if lb > now and u >= math.exp(-beta * (lb - now)) * (1.0 + 1e-12):
+            screened += 1
+            assert not keep, "the bound rejected a proposal the chain kept"
+        else:
+            t = sim.simulate(s).iteration_time
+            if keep:
+                bound.commit(s)
+                now = t
+        times.append(time.process_time() - t0)
+    return times, screened
 
 
 def bench(model, preset, devices, full_reps, proposals, seed=0):
@@ -97,9 +130,11 @@ def bench(model, preset, devices, full_reps, proposals, seed=0):
         dsim = Simulator(graph, machine, CostModel(machine))  # its own, empty caches
         dcold, _ = run_chain(dsim, dp, props)
         dwarm, resim = run_chain(dsim, dp, props)  # same chain again: warm caches
+        ssim = Simulator(graph, machine, dsim.cost_model)  # warm caches, its own task graph
+        swarm, screened = run_screened(ssim, dp, props)
         # full simulation of the chain's strategies, for the same mix of strategies
         fchain = []
-        for s, _ in props[:: max(1, len(props) // 20)]:
+        for s, *_ in props[:: max(1, len(props) // 20)]:
             t0 = time.process_time()
             dsim.simulate(s, incremental=False)
             fchain.append(time.process_time() - t0)
@@ -112,8 +147,9 @@ def bench(model, preset, devices, full_reps, proposals, seed=0):
         "full_cold_ms": 1000 * cold, "full_ms": ms(fulls), "full_ms_median": 1000 * statistics.median(fulls),
         "full_chain_ms": ms(fchain), "delta_cold_ms": ms(dcold), "delta_ms": ms(dwarm),
         "delta_ms_median": 1000 * statistics.median(dwarm), "proposals": len(props),
-        "kept": sum(k for _, k in props), "resim_fraction": resim,
+        "kept": sum(p[3] for p in props), "resim_fraction": resim,
         "speedup": ms(fchain) / ms(dwarm),
+        "proposal_ms": ms(swarm), "screened_fraction": screened / len(props),
     }
 
 
@@ -132,7 +168,8 @@ def main(argv=None):
             rows.append(row)
             print(f"{model:13s} {preset:13s} {n:3d}  full {row['full_ms']:8.1f} ms  "
                   f"chain full {row['full_chain_ms']:8.1f}  delta {row['delta_ms']:8.1f} ms  "
-                  f"(cold {row['delta_cold_ms']:.1f})  x{row['speedup']:.2f}  resim {row['resim_fraction']:.0%}",
+                  f"(cold {row['delta_cold_ms']:.1f})  x{row['speedup']:.2f}  resim {row['resim_fraction']:.0%}  "
+                  f"proposal {row['proposal_ms']:.1f} ms (screened {row['screened_fraction']:.0%})",
                   flush=True)
     elapsed = time.time() - t_start
     cmd = "python benchmarks/sim_speed.py" + (" --quick" if args.quick else "")
@@ -145,15 +182,34 @@ def main(argv=None):
         "# Simulator speed", "",
         f"Command: `{cmd}`  ", f"Machine: {note}", "",
         "| model | machine | devices | tasks (DP) | full cold ms | full ms (DP) | full ms (chain) | "
-        "delta ms | delta cold ms | full/delta | resimulated |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "delta ms | delta cold ms | full/delta | resimulated | proposal ms | screened |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(f"| {r['model']} | {r['machine']} | {r['devices']} | {r['tasks_dp']} | {r['full_cold_ms']:.0f} | "
                      f"{r['full_ms']:.1f} | {r['full_chain_ms']:.1f} | {r['delta_ms']:.1f} | {r['delta_cold_ms']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['resim_fraction']:.0%} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n" + NOTES)
+                     f"{r['speedup']:.2f} | {r['resim_fraction']:.0%} | {r['proposal_ms']:.1f} | "
+                     f"{r['screened_fraction']:.0%} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n" + aims(rows) + NOTES)
     print(f"wrote {out.with_suffix('.md')} and .json")
+
+
+def aims(rows) -> str:
+    """The aims, checked against this run's rows."""
+    def met(ok):
+        return "met" if ok else "**not met**"
+    out = ["", "## Aims (checked against the table above)", ""]
+    p16 = [r for r in rows if r["machine"] == "p100-cluster" and r["devices"] == 16 and r["model"] == "inception_v3"]
+    if p16:
+        out.append(f"- Full simulation of inception_v3 on 16 P100s under 100 ms: {p16[0]['full_ms']:.1f} ms, "
+                   f"{met(p16[0]['full_ms'] < 100)}.")
+    k64 = [r for r in rows if r["machine"] == "k80-cluster" and r["devices"] == 64]
+    for r in k64:
+        out.append(f"- {r['model']} on 64 K80s: a search proposal <= 10 ms: {r['proposal_ms']:.1f} ms with the "
+                   f"screen ({r['screened_fraction']:.0%} screened), {r['delta_ms']:.1f} ms per exact delta "
+                   f"simulation -- {met(r['proposal_ms'] <= 10)}; full/delta >= 5x: {r['speedup']:.2f}x -- "
+                   f"{met(r['speedup'] >= 5)}.")
+    return "\n".join(out) + "\n"
 
 
 NOTES = """
@@ -165,15 +221,12 @@ same for the strategies of the proposal chain (they carry extra transfers); *del
 one search proposal (random single-op change, `incremental=True`), caches warm; *delta cold*
 = the same proposals the first time (new configs' op times and transfer plans computed);
 *full/delta* = full ms (chain) / delta ms; *resimulated* = share of the tasks the delta
-simulation schedules again.
-
-## Aims
-
-- Full simulation of inception_v3 (paper size, batch 64 x 16) on 16 P100s under 100 ms:
-  met by a wide margin (see the p100-cluster 16 row).
-- Delta simulation at least 3x faster than full at 16 devices, the gap growing with
-  devices: **not met** -- 1.3-2.1x at 16 devices, 1.1-1.7x at 64; the gap does not grow
-  (it is largest at 4 devices, where building a task graph is mostly per-op overhead).
+simulation schedules again; *proposal ms* = a proposal as `ff.search` pays for it: the load
+lower bound first (`flexflow/bound.py`), the delta simulation only when the bound cannot
+reject it; *screened* = share of the proposals the bound rejected without a simulation.
+The chain keeps a proposal by the search's Metropolis test (temperature 1% of data
+parallelism's time, u drawn before simulating), so the screen changes no decision; the
+benchmark asserts that no screened proposal is one the chain kept.
 
 ## What limits the delta simulation
 
@@ -182,33 +235,18 @@ the scheduler is FIFO list scheduling: a resource runs its tasks in order of rea
 A proposal changes the time of one op somewhere in the forward pass; every later task on
 every device the change reaches -- all of the backward pass, every all-reduce and update --
 moves, each by its own amount, and FIFO order between tasks that become ready at nearby
-times can flip.  So the exact re-simulation has to start where the change can first be
-seen (the time the changed op's producers finish) and schedule everything after it
-again: the *resimulated* column (80-93%) is that share.  Measured on the inception_v3 /
-16-device chain, fewer than 1% of the re-scheduled tasks end in a tail shifted by one
-common amount (which a lazy "shift the rest" could have skipped), and about 10% keep their
-exact times (all an early-cutoff propagation could skip).
-
-What the delta simulation saves is the rest: it patches the task graph in place (the
-changed ops' tasks, the transfers on their edges, their neighbours' dependencies, their
-parameters' all-reduce and update tasks) instead of building it again, and reuses the
-timeline before the restart point (resources restored from the previous run's per-resource
-histories).  Building a task graph is 50-65% of a full simulation; scheduling costs ~1-1.5 us
-per task in CPython (a heap pop/push and the dependency counts of its successors).  The
-delta pays for what the full simulation does not: the patch (2 ms at 16 devices, 9 ms at
-64 on inception_v3) and the restart (a pass over the re-simulated tasks' dependencies to
-re-count them: 2.5 ms at 16 devices, 10 ms at 64).  Both sides grow linearly with the
-number of tasks (~devices), so their ratio does not grow with devices; at 64 devices a
-random proposal also creates and removes thousands of transfer tasks (a 64-way
-redistribution), which the patch pays for and which make up most of the task graph.
-A search that keeps few proposals (most MCMC steps) also makes consecutive calls differ
-in two ops (the dropped proposal and the new one), and the earlier of the two sets the
-restart point.  CPU times on this shared 2-core host vary by +-30% between runs.
-
-Ways to go further, not done: early termination for the search (stop once the partial
-makespan exceeds the acceptance threshold, which MCMC can draw before simulating); keeping
-a snapshot of the last kept strategy's state so that each proposal is one op away from it
-instead of two; or a scheduler in compiled code (the loop is ~20 lines).
+times can flip.  So the exact re-simulation restarts where the change can first be seen
+(the time the changed op's producers finish) and schedules everything after it again: the
+*resimulated* column is that share.  What the delta simulation saves is the rest: it
+patches the task graph in place instead of building it again and reuses the timeline
+before the restart point.  The scheduling loop costs about 1-1.5 us per task in CPython
+(a heap pop and push and its successors' dependency counts), and the re-simulated share
+grows with the number of tasks as fast as the full simulation does, so full/delta does not
+grow with devices.  The screen helps where proposals pile work onto few devices or links
+(most random changes of a convolution network at 64 devices); it cannot settle a proposal
+that is slower only through waiting (latency on the critical path, exposed sync), which is
+most of the recurrent networks' proposals.  CPU times on this shared 2-core host vary by
++-30% between runs.
 """
 
 if __name__ == "__main__":

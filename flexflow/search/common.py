@@ -45,6 +45,40 @@ class _Space:
             self.cands.append(cs)
         self.index = [{c: j for j, c in enumerate(cs)} for cs in self.cands]
         self.movable = [i for i, cs in enumerate(self.cands) if len(cs) > 1]
+        self._next: list | None = None
+        self._follow: dict = {}
+
+    def next_groups(self, gi: int) -> list[int]:
+        """Share groups that consume an output of group ``gi``, in graph order."""
+        if self._next is None:
+            gid = {op: i for i, k in enumerate(self.keys) for op in self.graph.groups[k]}
+            nxt = [dict() for _ in self.keys]
+            for op in self.graph.compute_ops:
+                for u in op.inputs:
+                    if u in gid and gid[u] != gid[op.name]:
+                        nxt[gid[u]][gid[op.name]] = None
+            self._next = [list(d) for d in nxt]
+        return self._next[gi]
+
+    def follow(self, gi: int, cfg: ParallelConfig) -> ParallelConfig | None:
+        """The config of group ``gi`` that continues a producer's ``cfg``: ``cfg`` itself when
+        it is a candidate, else a candidate on the same devices with the same degrees (dims
+        named differently: an embedding split along its embedding dim, a slice of it along
+        channels); None when there is none."""
+        key = (gi, cfg)
+        if key in self._follow:
+            return self._follow[key]
+        out = None
+        if cfg in self.index[gi]:
+            out = cfg
+        else:
+            shape = sorted(d for d in cfg.degrees.values() if d > 1)
+            for c in self.cands[gi]:
+                if c.devices == cfg.devices and sorted(d for d in c.degrees.values() if d > 1) == shape:
+                    out = c
+                    break
+        self._follow[key] = out
+        return out
 
     def contains(self, strategy: Strategy) -> bool:
         return all(strategy[r] in ix for r, ix in zip(self.reps, self.index))
@@ -92,7 +126,8 @@ class SearchResult:
     strategy: Strategy
     result: object  # SimResult of strategy
     baselines: dict  # name -> SimResult (data_parallel, model_parallel, expert, optcnn)
-    evaluations: int  # simulations run by the search (chains, proposals, polish)
+    evaluations: int  # strategies the search evaluated: simulated, or rejected by the lower bound
+    #   (chain starts, proposals, polish; see ``simulations`` and ``screened``)
     seconds: float  # wall time of the whole call, baselines included
     baseline_strategies: dict = field(default_factory=dict)  # name -> Strategy
     history: list = field(default_factory=list)  # (evaluations, seconds, best iteration time) at each improvement
@@ -102,6 +137,8 @@ class SearchResult:
     source: str = "search"  # "search", or the baseline returned because the search did not beat it
     local_optimum: bool = False  # the polish ended with no single-group change improving it
     baseline_seconds: float = 0.0  # of ``seconds``: building and simulating the baselines
+    simulations: int = 0  # of ``evaluations``: the ones simulated (delta or full)
+    screened: int = 0  # of ``evaluations``: rejected by the load lower bound, not simulated
 
     @property
     def speedup(self) -> float:
@@ -134,7 +171,8 @@ class _Run:
     def __init__(self, machine, budget_s, evaluations, t0, progress, scale_s):
         self.machine, self.budget_s, self.max_evals, self.t0 = machine, budget_s, evaluations, t0
         self.scale_s = scale_s
-        self.evals = 0
+        self.evals = 0  # strategies evaluated: simulated (``sims``) or screened out
+        self.sims = 0
         self.best_key = self.best = self.best_res = None
         self.history: list = []
         self.last_improve_evals, self.last_improve_s = 0, time.perf_counter() - t0
@@ -155,11 +193,26 @@ class _Run:
     def seen(self, strategy: Strategy, res) -> tuple:
         """Count one evaluation; remember it when it is the best so far."""
         self.evals += 1
+        self.sims += 1
         k = self.key(res)
         if _better(k, self.best_key):
             self.best_key, self.best, self.best_res = k, strategy, res
             self.last_improve_evals, self.last_improve_s = self.evals, self.elapsed()
             self.history.append((self.evals, self.last_improve_s, res.iteration_time))
+        self._show()
+        return k
+
+    def can_screen(self, lower_bound_s: float) -> bool:
+        """Whether a strategy whose cost is at least ``lower_bound_s`` cannot be the new best:
+        a feasible strategy no slower than the bound was seen."""
+        return self.best_key is not None and self.best_key[0] == 0 and lower_bound_s >= self.best_key[1]
+
+    def screened(self) -> None:
+        """Count one evaluation settled by the lower bound, without a simulation."""
+        self.evals += 1
+        self._show()
+
+    def _show(self) -> None:
         if self.bar is not None or self.callback is not None:
             now = self.elapsed()
             if now - self._t_shown > 0.2:
@@ -171,7 +224,6 @@ class _Run:
                     self._shown = self.evals
                     self.bar.set_postfix_str(f"best {self.best_res.iteration_time * 1e3:.3f} ms, "
                                              f"{self.evals / max(now, 1e-9):.0f} eval/s")
-        return k
 
     def spent(self, frac: float, patience: bool) -> bool:
         """Whether the phase that may use ``frac`` of the budget is over: that much

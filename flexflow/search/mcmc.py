@@ -5,21 +5,28 @@ import math
 import random
 import time
 
+from ..bound import LoadBound
 from ..cost import CostModel
 from ..ir import OpGraph
 from ..strategy import Strategy
+from ..taskkeys import PS
 from .baselines import baseline_strategies
 from .common import (BASELINES, Candidates, SearchError, SearchResult, _better, _penalised, _Run, _Space,
                      _simulator)
 
 __all__ = ["search", "is_local_optimum"]
 
+_WARMUP = 50  # proposals a chain makes before it may restart from the best chain
+_LAGGING = 1.5  # ... when its cost is more than this times the best chain's
+_OVERHEAD_TASKS = 200  # a proposal's fixed cost, in tasks, for the turn taking
+
 
 def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_model=None, *,
            evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
            polish: bool = True, temperature: float = 0.01,
-           baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring") -> SearchResult:
+           baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
+           screen: bool = True, block: float = 0.1, baseline_results: dict | None = None) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     budget: seconds for the whole call (baselines included); ignored when
@@ -40,10 +47,23 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         callable(evaluations, seconds, best_time_s).
     baselines: name -> Strategy to reuse (e.g. a previous result's
         ``baseline_strategies``) instead of recomputing them.
+    baseline_results: name -> SimResult of those ``baselines`` under this cost
+        model, optimizer and sync model (e.g. a previous result's ``baselines``), to
+        reuse instead of simulating them again.
     optimizer: "sgd", "momentum" or "adam": whose state counts in the memory
         every strategy must fit.
     sync: the simulator's parameter-sync model ("ring", or "ps" for the paper's
         parameter server; see :class:`flexflow.Simulator`).
+    screen: reject, without simulating, a proposal whose lower bound (the load of
+        its busiest device or link, :class:`flexflow.bound.LoadBound`) already fails
+        the acceptance test.  The uniform draw of the test is made before the
+        simulation, so the chain is the same with and without the screen; a
+        screened proposal counts as an evaluation (``SearchResult.screened``; the
+        simulated ones are ``SearchResult.simulations``).
+    block: probability that a proposal is a block move: the chosen config then
+        continues downstream through up to 8 consumer groups (``_Space.follow``:
+        the same config, or the same split of another op kind), as a layer's ops or
+        an embedding and its per-step slices move together.
     """
     t0 = time.perf_counter()
     if evaluations is not None and (isinstance(evaluations, bool) or int(evaluations) < 1):
@@ -64,8 +84,13 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")
-    sim0 = _simulator(graph, machine, cm, optimizer, sync)
-    base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
+    if baseline_results is not None:
+        if baselines is None or set(baseline_results) != set(base):
+            raise SearchError("baseline_results needs the baselines it was simulated from")
+        base_res = dict(baseline_results)
+    else:
+        sim0 = _simulator(graph, machine, cm, optimizer, sync)
+        base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
     scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
     scale_s = scale_s if scale_s > 0 else 1e-6
@@ -90,37 +115,67 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     run = _Run(machine, budget, evaluations, t0, progress, scale_s)
     rng = random.Random(seed)
     mcmc_frac = 0.75 if polish else 1.0
-    proposed = accepted = 0
+    proposed = accepted = screened = 0
     try:
-        state, cost, sims = [], [], []
-        for _, s in starts:
+        state, cost, sims, bounds, size = [], [], [], [], []
+        for name, s in starts:
             sim = _simulator(graph, machine, cm, optimizer, sync)
-            res = sim.simulate(s, incremental=delta)
+            # a baseline start is simulated already; the chain's simulator starts with its
+            # first proposal
+            res = base_res[name] if name in base_res else sim.simulate(s, incremental=delta)
             state.append(s)
             cost.append(run.seen(s, res)[1])
             sims.append(sim)
+            size.append(res.num_tasks)
+        lead = min(range(len(starts)), key=cost.__getitem__)
+        for c in range(len(starts)):  # a hopeless start begins at the best one instead
+            if cost[c] > _LAGGING * cost[lead]:
+                state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
+        bounds = [LoadBound(sim.ctx, s) if screen else None for sim, s in zip(sims, state)]
+        # Chains take turns by work, not by rounds: the next proposal goes to the chain whose
+        # proposals so far add up to the fewest tasks (its current task graph's size per
+        # proposal), so a chain sitting on a huge task graph (OptCNN's or a random start's
+        # at 64 devices: 10x data parallelism's tasks) does not eat the budget.  A chain
+        # that is more than ``_LAGGING`` times the best chain's cost after ``_WARMUP``
+        # proposals restarts from the best chain's state.  Both rules see only accepted
+        # states, so the screen does not change them.
+        work = [0] * len(starts)
+        moves = [0] * len(starts)
         while space.movable and not run.spent(mcmc_frac, patience=True):
-            for c in range(len(starts)):
-                if run.spent(mcmc_frac, patience=True):
-                    break
-                gi = space.movable[rng.randrange(len(space.movable))]
-                rep, cs, ix = space.reps[gi], space.cands[gi], space.index[gi]
-                cur = ix.get(state[c][rep])
-                if cur is None:
-                    j = rng.randrange(len(cs))
-                else:  # uniformly one of the other candidates: a symmetric proposal
-                    j = rng.randrange(len(cs) - 1)
-                    j += j >= cur
-                new = state[c].replace(rep, cs[j])
-                res = sims[c].simulate(new, incremental=delta)
-                k = run.seen(new, res)
-                proposed += 1
-                if k[1] <= cost[c] or rng.random() < math.exp(-beta * (k[1] - cost[c])):
-                    state[c], cost[c] = new, k[1]
-                    accepted += 1
+            c = min(range(len(starts)), key=work.__getitem__)
+            work[c] += size[c] + _OVERHEAD_TASKS
+            moves[c] += 1
+            lead = min(range(len(starts)), key=cost.__getitem__)
+            if moves[c] > _WARMUP and cost[c] > _LAGGING * cost[lead]:
+                state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
+                if screen:
+                    bounds[c] = LoadBound(sims[c].ctx, state[c])
+                moves[c] = 0
+            new, groups = _propose(rng, space, state[c], block)
+            # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
+            u = rng.random()
+            proposed += 1
+            if screen:
+                lb = bounds[c].lower_bound(new, groups) / PS
+                # cost >= lb > cur and u >= exp(-beta (lb - cur)) >= exp(-beta (cost - cur)):
+                # the test below would reject it (the factor guards against rounding)
+                if lb > cost[c] and run.can_screen(lb) and \
+                        u >= math.exp(-beta * (lb - cost[c])) * (1.0 + 1e-12):
+                    run.screened()
+                    screened += 1
+                    continue
+            res = sims[c].simulate(new, incremental=delta)
+            k = run.seen(new, res)
+            if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
+                state[c], cost[c], size[c] = new, k[1], res.num_tasks
+                accepted += 1
+                if screen:
+                    bounds[c].commit(new)
         converged = False
         if polish and space.movable:
-            converged = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync)
+            converged, polished = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
+                                           screen)
+            screened += polished
     finally:
         run.close()
 
@@ -141,18 +196,56 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             best = Strategy(graph, dict(best), machine, name="search")
     return SearchResult(best, best_res, base_res, run.evals, time.perf_counter() - t0, base,
                         run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
-                        source, converged, baseline_s)
+                        source, converged, baseline_s, run.sims, screened)
+
+
+def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> tuple[Strategy, list[int]]:
+    """A random move from ``cur``: one movable share group to another of its candidates
+    (uniformly: a symmetric proposal), and with probability ``block`` the same split carried
+    on downstream through 1-8 consumer groups.  Returns (strategy, changed groups)."""
+    gi = space.movable[rng.randrange(len(space.movable))]
+    rep, cs, ix = space.reps[gi], space.cands[gi], space.index[gi]
+    now = ix.get(cur[rep])
+    if now is None:
+        j = rng.randrange(len(cs))
+    else:
+        j = rng.randrange(len(cs) - 1)
+        j += j >= now
+    cfg = cs[j]
+    new = cur.replace(rep, cfg)
+    groups = [gi]
+    if block and rng.random() < block:
+        extra = 1 << rng.randrange(4)
+        seen, g = {gi}, gi
+        while extra:
+            step = None
+            for h in space.next_groups(g):
+                if h not in seen:
+                    c = space.follow(h, cfg)
+                    if c is not None:
+                        step = h, c
+                        break
+            if step is None:
+                break
+            g, cfg = step
+            seen.add(g)
+            if new[space.reps[g]] != cfg:
+                new = new.replace(space.reps[g], cfg)
+                groups.append(g)
+            extra -= 1
+    return new, groups
 
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
-             optimizer: str = "sgd", sync: str = "ring") -> bool:
+             optimizer: str = "sgd", sync: str = "ring", screen: bool = True) -> tuple[bool, int]:
     """Local descent from the run's best strategy, first improvement: single-group
     changes (in a seeded order) until none improves; then pair moves (two adjacent
     groups, producer and consumer, to one common config: a change the one-group
     proposals only reach through a worse intermediate strategy); back to single
     changes after a pair move improves.  Returns True when it converged (no
     single-group or pair change improves: a local optimum), False when the budget
-    ran out first."""
+    ran out first; and how many attempts the load lower bound settled (a change whose
+    bound is no better than the current cost cannot improve it)."""
     sim = _simulator(graph, machine, cm, optimizer, sync)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
@@ -161,19 +254,28 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
         common = [c for c in space.cands[a] if c in space.index[b]]
         if common:
             pairs.append((a, b, common))
-    state = {"cur": run.best, "key": None}
+    state = {"cur": run.best, "key": None, "screened": 0}
+    bound = LoadBound(sim.ctx, run.best) if screen else None
 
-    def attempt(new) -> bool | None:
+    def attempt(new, groups) -> bool | None:
         if run.spent(1.0, patience=False):
             return None
+        if bound is not None:
+            lb = bound.lower_bound(new, groups) / PS
+            if state["key"][0] == 0 and lb >= state["key"][1]:
+                run.screened()  # cost >= lb >= the current cost: no improvement
+                state["screened"] += 1
+                return False
         k = run.seen(new, sim.simulate(new, incremental=delta))
         if _better(k, state["key"]):
             state["cur"], state["key"] = new, k
+            if bound is not None:
+                bound.commit(new)
             return True
         return False
 
     if run.spent(1.0, patience=False):
-        return False
+        return False, 0
     state["key"] = run.seen(state["cur"], sim.simulate(state["cur"], incremental=delta))
     while True:
         quiet, i = 0, 0  # groups scanned in a row without an improvement
@@ -182,9 +284,9 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
             rep, improved = space.reps[gi], False
             for cfg in space.cands[gi]:
                 if cfg != state["cur"][rep]:
-                    ok = attempt(state["cur"].replace(rep, cfg))
+                    ok = attempt(state["cur"].replace(rep, cfg), (gi,))
                     if ok is None:
-                        return False
+                        return False, state["screened"]
                     improved |= ok
             quiet = 0 if improved else quiet + 1
             i = (i + 1) % len(order)
@@ -195,16 +297,16 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
                 cur = state["cur"]
                 if cur[ra] == cfg or cur[rb] == cfg:
                     continue  # a single-group change, already tried
-                ok = attempt(cur.replace(ra, cfg).replace(rb, cfg))
+                ok = attempt(cur.replace(ra, cfg).replace(rb, cfg), (a, b))
                 if ok is None:
-                    return False
+                    return False, state["screened"]
                 if ok:
                     moved = True
                     break
             if moved:
                 break
         if not moved:
-            return True
+            return True, state["screened"]
 
 
 def _adjacent_groups(graph: OpGraph, space: _Space) -> list[tuple[int, int]]:

@@ -1,0 +1,178 @@
+"""Search convergence: the best iteration time found against evaluations and seconds.
+
+    python benchmarks/search_convergence.py            # six networks x 16, 64 K80s, 15 s each (~7 min)
+    python benchmarks/search_convergence.py --quick    # two networks at 16 devices, 3 s each
+
+For each of the paper's six networks (paper size, batch 64 per device, AlexNet 256) on the
+k80-cluster at 16 and 64 devices: the baselines are built and simulated first (not timed in
+the budget), then ``ff.search`` runs for ``--budget`` seconds (seed 0) and its history -- every
+improvement of the best strategy, as (evaluations, seconds, iteration time) -- is plotted as
+best time / data-parallel time against evaluations and against seconds.  Evaluations count
+proposals the load lower bound rejected without a simulation (see ``flexflow/bound.py``);
+``sims`` counts the exact simulations.  Wall-clock seconds on a shared host.
+
+Writes benchmarks/results/search_convergence.{md,json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import flexflow as ff
+from flexflow.cost import CostModel
+from flexflow.search import BASELINES, baseline_strategies, search
+from flexflow.simulate import Simulator
+
+NETWORKS = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt"]
+DEVICES = [16, 64]
+OUT = Path(__file__).resolve().parent / "results" / "search_convergence"
+
+
+def run_case(name: str, devices: int, budget: float) -> dict:
+    per = ff.models.paper_batch(name)
+    module, inputs = ff.models.get(name, batch_size=per * devices, device="meta")
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.preset("k80-cluster", devices=devices)
+    cm = CostModel(machine)
+    t = time.perf_counter()
+    base = baseline_strategies(graph, machine, cm)
+    sim = Simulator(graph, machine, cm)
+    base_res = {k: sim.simulate(s, incremental=False) for k, s in base.items()}
+    base_s = time.perf_counter() - t
+    res = search(graph, machine, budget=budget, seed=0, cost_model=cm, progress=False, baselines=base,
+                 baseline_results=base_res)
+    dp = base_res["data_parallel"].iteration_time
+    fits = [r.iteration_time for r in base_res.values() if r.feasible]
+    hist = [(e, s, t) for e, s, t in res.history]
+    hist.append((res.evaluations, res.seconds, res.result.iteration_time))
+    return {
+        "network": name, "devices": devices, "groups": len(graph.groups),
+        "baseline_seconds": base_s, "data_parallel_ms": dp * 1e3,
+        "best_baseline_ms": min(fits) * 1e3 if fits else None,
+        "baselines_ms": {k: base_res[k].iteration_time * 1e3 for k in BASELINES},
+        "searched_ms": res.result.iteration_time * 1e3, "feasible": res.result.feasible,
+        "source": res.source, "evaluations": res.evaluations, "simulations": res.simulations,
+        "screened": res.screened, "seconds": res.seconds, "accept_rate": res.accept_rate,
+        "history": hist,
+        # when the final best was first reached
+        "reached_at": next(((e, s) for e, s, t in hist if t <= res.result.iteration_time), (None, None)),
+    }
+
+
+def plot(cases: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    devs = sorted({c["devices"] for c in cases})
+    fig, axes = plt.subplots(len(devs), 2, figsize=(11, 3.6 * len(devs)), squeeze=False)
+    for row, n in zip(axes, devs):
+        for c in [c for c in cases if c["devices"] == n]:
+            h = c["history"]
+            dp = c["data_parallel_ms"] / 1e3
+            ys = [t / dp for _, _, t in h]
+            row[0].plot([max(e, 1) for e, _, _ in h], ys, drawstyle="steps-post", marker=".", label=c["network"])
+            row[1].plot([s for _, s, _ in h], ys, drawstyle="steps-post", marker=".", label=c["network"])
+        row[0].set_xscale("log")
+        row[0].set_xlabel("evaluations")
+        row[1].set_xlabel("seconds (wall, shared host)")
+        for ax in row:
+            ax.set_ylabel(f"best / data parallel, {n} K80s")
+            ax.grid(alpha=0.3)
+        row[1].legend(fontsize=8)
+    fig.suptitle("flexflow search: best simulated iteration time found (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(cases: list[dict], meta: dict) -> str:
+    L = ["# Search convergence", "", f"Command: `{meta['command']}`  ",
+         f"Run: {meta['date']} on {meta['host']}; budget {meta['budget_s']:g} s per search after the "
+         f"baselines; {meta['total_seconds'] / 60:.1f} min in all.", "",
+         "![best time against evaluations and seconds](search_convergence.png)", "",
+         "`evals`: strategies evaluated (chain starts, proposals, polish), of which `sims` were simulated "
+         "exactly and the rest rejected by the load lower bound without a simulation (the chain is the "
+         "same either way).  `reached`: evaluations and seconds at which the final best was first seen.  "
+         "Times in ms per iteration (simulated); `vs DP` = data parallel / searched.", "",
+         "| network | dev | groups | data par. | best baseline | searched | vs DP | src | evals | sims "
+         "| evals/s | reached (evals, s) | base s |",
+         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for c in cases:
+        bb = "" if c["best_baseline_ms"] is None else f"{c['best_baseline_ms']:.1f}"
+        e, s = c["reached_at"]
+        L.append(f"| {c['network']} | {c['devices']} | {c['groups']} | {c['data_parallel_ms']:.1f} | {bb} | "
+                 f"{c['searched_ms']:.1f}{'' if c['feasible'] else ' OOM'} | "
+                 f"{c['data_parallel_ms'] / c['searched_ms']:.3f}x | {c['source']} | {c['evaluations']:,} | "
+                 f"{c['simulations']:,} | {c['evaluations'] / max(c['seconds'], 1e-9):.0f} | "
+                 f"{e:,}, {s:.1f} | {c['baseline_seconds']:.0f} |")
+    L += ["", meta.get("summary", ""), ""]
+    return "\n".join(L)
+
+
+def summarize(cases: list[dict]) -> str:
+    out = []
+    for n in sorted({c["devices"] for c in cases}):
+        cs = [c for c in cases if c["devices"] == n]
+        ev = [c["evaluations"] for c in cs]
+        sm = [c["simulations"] for c in cs]
+        late = [c["network"] for c in cs if c["reached_at"][1] is not None
+                and c["reached_at"][1] > 0.5 * c["seconds"]]
+        out.append(f"- {n} devices: {min(ev):,}-{max(ev):,} evaluations ({min(sm):,}-{max(sm):,} simulated) per "
+                   f"search; the best was still improving in the second half of the budget for: "
+                   f"{', '.join(late) if late else 'none'}.")
+    worse = [c for c in cases if c["best_baseline_ms"] is not None and c["searched_ms"] > c["best_baseline_ms"] * (1 + 1e-12)]
+    out.append(f"- Searched slower than the best baseline: {len(worse)} cases"
+               + (": " + ", ".join(f"{c['network']}/{c['devices']}" for c in worse) if worse else "") + ".")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="alexnet and rnnlm at 16 devices, 3 s each")
+    ap.add_argument("--budget", type=float, default=None, help="search seconds per case (default 15)")
+    ap.add_argument("--networks", nargs="*", default=None)
+    ap.add_argument("--devices", nargs="*", type=int, default=None)
+    ap.add_argument("--out", default=None, help="output path without extension")
+    a = ap.parse_args(argv)
+    nets = a.networks or (["alexnet", "rnnlm"] if a.quick else NETWORKS)
+    devs = a.devices or ([16] if a.quick else DEVICES)
+    budget = a.budget if a.budget is not None else (3.0 if a.quick else 15.0)
+    if a.out:
+        out = Path(a.out)
+    elif a.quick:
+        import tempfile
+        out = Path(tempfile.mkdtemp()) / "search_convergence"
+    else:
+        out = OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = "python benchmarks/search_convergence.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
+                                                       if (argv if argv is not None else sys.argv[1:]) else "")
+    meta = {"command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "host": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
+                    f"Python {platform.python_version()}", "budget_s": budget}
+    t0 = time.perf_counter()
+    cases = []
+    for n in devs:
+        for net in nets:
+            c = run_case(net, n, budget)
+            cases.append(c)
+            print(f"{net:>13} x{n:<3} DP {c['data_parallel_ms']:9.1f} ms  searched {c['searched_ms']:9.1f} ms  "
+                  f"{c['evaluations']:6d} evals ({c['simulations']} simulated)  [{c['source']}]", flush=True)
+            meta["total_seconds"] = time.perf_counter() - t0
+            out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
+    meta["summary"] = summarize(cases)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
+    plot(cases, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(markdown(cases, meta))
+    print(meta["summary"])
+    print(f"wrote {out.with_suffix('.md')}, .png and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""A cheap lower bound on a strategy's simulated iteration time, kept incrementally.
+
+Every device and every link runs one task at a time in the simulator, so an iteration lasts
+at least as long as the busiest resource is busy: for each resource, the sum of the durations
+of its tasks (forward and backward partitions, transfers on every link of their routes, ring
+all-reduces on their links, optimizer updates), plus, under ``sync="ps"``, the parameter-server
+time added after the task graph.  Each term comes from the same cached integer plans the task
+graph is built from (:mod:`flexflow.plans`), so the bound never exceeds the simulated time.
+
+:class:`LoadBound` keeps the per-op and per-cluster rows of one strategy; ``lower_bound`` of a
+strategy that differs in a few share groups touches only their ops, their consumers and their
+parameter clusters.  The search uses it to reject, without simulating, proposals the
+acceptance test would reject anyway (see ``search/mcmc.py``)."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["LoadBound"]
+
+
+class _Cfg:
+    """Op index -> config of a strategy with a few ops overridden (for ``cluster_plan``)."""
+    __slots__ = ("base", "over")
+
+    def __init__(self, base: list, over: dict):
+        self.base, self.over = base, over
+
+    def __getitem__(self, o: int):
+        c = self.over.get(o)
+        return self.base[o] if c is None else c
+
+
+class LoadBound:
+    """Per-resource busy picoseconds of a strategy, kept per op (its partitions and the
+    transfers on its input edges) and per parameter cluster (syncs, update lower bound)."""
+
+    def __init__(self, ctx, strategy):
+        self.ctx = ctx
+        ops = ctx.ops
+        self.cfg = [None] * len(ops)
+        for o in ctx.compute:
+            self.cfg[o] = strategy[ops[o].name]
+        self.oprow = [None] * len(ops)
+        self.total = np.zeros(ctx.R, np.int64)
+        for o in ctx.compute:
+            r = self.oprow[o] = self._op_row(o, self.cfg)
+            self.total += r
+        self.clrow, self.clps = [], []
+        for c in range(len(ctx.clusters)):
+            r, p = self._cl_row(c, self.cfg)
+            self.clrow.append(r)
+            self.clps.append(p)
+            self.total += r
+        self.ps = int(sum(self.clps))
+        self._pending = None
+
+    def _op_row(self, o: int, cfg):
+        ctx = self.ctx
+        co = cfg[o]
+        row = ctx.template(o, co).busy
+        ins = ctx.inputs[o]
+        for j in ctx.ext_inputs[o]:
+            u = ins[j]
+            e = ctx.edge_plan(u, o, j, cfg[u], co)
+            if e.comm:
+                row = row + e.busy
+        return row
+
+    def _cl_row(self, c: int, cfg):
+        cp = self.ctx.cluster_plan(c, cfg)
+        row = cp.busy.copy()
+        row[:self.ctx.D] += cp.upd_lb
+        return row, int(cp.ps_ps)
+
+    def value(self) -> int:
+        """The bound of the current strategy, in picoseconds."""
+        return int(self.total.max(initial=0)) + self.ps
+
+    def lower_bound(self, strategy, groups) -> int:
+        """The bound (picoseconds) of ``strategy``, which differs from the current one only in
+        share ``groups``; remembered for :meth:`commit`."""
+        ctx = self.ctx
+        ops = ctx.ops
+        over = {}
+        for g in groups:
+            for o in ctx.groups[g]:
+                over[o] = strategy[ops[o].name]
+        cfg = _Cfg(self.cfg, over)
+        touched = set(over)
+        for o in over:
+            touched.update(ctx.consumers[o])
+        total = self.total.copy()
+        rows = {}
+        for o in touched:
+            r = rows[o] = self._op_row(o, cfg)
+            total += r
+            total -= self.oprow[o]
+        cls = {c for g in groups for c in ctx.group_clusters[g]}
+        crow = {}
+        ps = self.ps
+        for c in cls:
+            r, p = crow[c] = self._cl_row(c, cfg)
+            total += r
+            total -= self.clrow[c]
+            ps += p - self.clps[c]
+        self._pending = (strategy, over, rows, crow, total, ps)
+        return int(total.max(initial=0)) + ps
+
+    def commit(self, strategy) -> None:
+        """Move to ``strategy``, the one the last :meth:`lower_bound` call was about."""
+        p = self._pending
+        if p is None or p[0] is not strategy:
+            raise ValueError("commit() must follow lower_bound() of the same strategy")
+        _, over, rows, crow, self.total, self.ps = p
+        for o, c in over.items():
+            self.cfg[o] = c
+        for o, r in rows.items():
+            self.oprow[o] = r
+        for c, (r, q) in crow.items():
+            self.clrow[c], self.clps[c] = r, q
+        self._pending = None

@@ -1,0 +1,382 @@
+"""Plans of the task graph, cached per (graph, machine, cost model) in a :class:`Context`:
+op templates per (op, config), transfer plans per (input edge, producer config, consumer
+config), parameter plans per (cluster, users' configs).  Regions come only from
+:func:`flexflow.strategy.partitions` and :func:`flexflow.strategy.param_placement`."""
+from __future__ import annotations
+
+import numpy as np
+
+from .cost import GRAD_BUCKET_BYTES
+from .ir import dtype_bytes
+from .memory import Liveness, optimizer_state_copies
+from .ops.base import region_numel
+from .strategy import overlap, param_placement, partitions, pick_replica, validate_config
+from .taskkeys import _AB, _JB, _PB, PS, B, F, SYNC, SYNC_MODELS, UPD, XB, XF, _prio, _ps
+
+__all__ = ["Context"]
+
+
+class _SubGraph:
+    """Just enough of an OpGraph for param_placement over a few ops."""
+
+    def __init__(self, ops):
+        self.compute_ops = ops
+
+
+class _Tmpl:
+    """One op under one config: devices and times of its partitions, memory and busy rows."""
+    __slots__ = ("devs", "devk", "fwd", "bwd", "busy")
+
+
+class _EdgePlan:
+    """Producer u -> consumer o input j under a config pair: (q, k, bytes, fwd/bwd transfer)."""
+    __slots__ = ("pairs", "recv", "busy", "comm", "identity", "direct", "xqk", "fcols", "bcols")
+
+
+class _ClusterPlan:
+    """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
+    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb")
+
+
+class Context:
+    """Per (graph, machine, cost model): static structure and caches shared by task graphs.
+
+    Caches: op templates per (op, config), transfer plans per (input edge, producer config,
+    consumer config), parameter plans per (cluster, users' configs).  They only grow."""
+
+    def __init__(self, graph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
+        self.graph, self.machine, self.cost = graph, machine, cost_model
+        if sync not in SYNC_MODELS:
+            raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
+        self.optimizer, self.sync = optimizer, sync
+        self.optimizer_copies = optimizer_state_copies(optimizer)
+        ops = self.ops = graph.ops
+        n = len(ops)
+        if n >= 1 << _AB:
+            raise ValueError(f"graph has {n} ops; the simulator handles at most {(1 << _AB) - 1}")
+        idx = graph.index
+        self.everywhere = [op.everywhere for op in ops]
+        self.compute = [i for i, op in enumerate(ops) if not op.everywhere]
+        self.inputs = [[idx[s] for s in op.inputs] for op in ops]
+        self.cons = [[] for _ in ops]  # producer -> [(consumer, input index)]
+        for v in self.compute:
+            if len(self.inputs[v]) >= 1 << _JB:
+                raise ValueError(f"op {ops[v].name} has too many inputs for the simulator")
+            for j, u in enumerate(self.inputs[v]):
+                if not self.everywhere[u]:
+                    self.cons[u].append((v, j))
+        self.ext_inputs = [[j for j, u in enumerate(ins) if not self.everywhere[u]] for ins in self.inputs]
+        self.producers = [sorted({u for u in ins if not self.everywhere[u]}) for ins in self.inputs]
+        self.consumers = [sorted({v for v, _ in c}) for c in self.cons]
+        self.group_of = [-1] * n
+        self.groups = []
+        for members in graph.groups.values():
+            for m in members:
+                self.group_of[idx[m]] = len(self.groups)
+            self.groups.append([idx[m] for m in members])
+        # parameter clusters: parameters (and buffers) used by the same set of ops
+        users: dict[str, list[int]] = {}
+        first: dict[str, tuple[int, str]] = {}
+        for o in self.compute:
+            op = ops[o]
+            for local, qual in list(op.params.items()) + list(op.buffers.items()):
+                if o not in users.setdefault(qual, []):
+                    users[qual].append(o)
+                first.setdefault(qual, (o, local))
+        self.param_names = list(users)
+        self.param_first = [first[q] for q in self.param_names]
+        by_users: dict[tuple, list[int]] = {}
+        for pi, qual in enumerate(self.param_names):
+            by_users.setdefault(tuple(users[qual]), []).append(pi)
+        self.clusters = list(by_users.items())  # [(user ops, param indices)]
+        self.cluster_groups = [sorted({self.group_of[o] for o in us}) for us, _ in self.clusters]
+        self.cluster_reps = [[self.groups[g][0] for g in gs] for gs in self.cluster_groups]
+        self.op_clusters = [[] for _ in ops]
+        for c, (us, _) in enumerate(self.clusters):
+            for o in us:
+                self.op_clusters[o].append(c)
+        self.group_clusters = [sorted({c for o in g for c in self.op_clusters[o]}) for g in self.groups]
+        self.first_clusters = [[] for _ in ops]  # op -> clusters whose first user it is
+        for c, (us, _) in enumerate(self.clusters):
+            self.first_clusters[us[0]].append(c)
+        if len(self.param_names) >= 1 << _AB:
+            raise ValueError("too many parameters for the simulator")
+        D = self.D = machine.num_devices
+        if D >= 1 << _PB:
+            raise ValueError(f"the simulator handles at most {(1 << _PB) - 1} devices")
+        self.R = D + len(machine.links)
+        self.capacity = [d.spec.memory_bytes for d in machine.devices]
+        self._tmpl: dict = {}
+        self._unit: dict = {}
+        self._fuse: dict = {}
+        self._update: dict = {}
+        self._uprio: dict = {}
+        self._edge: dict = {}
+        self._cluster: dict = {}
+        self._route: dict = {}
+        self._xfer: dict = {}
+        self.live = Liveness(self, optimizer)  # memory by liveness (memory.py)
+
+    # ---- cached plans ---------------------------------------------------------------------
+    def template(self, o: int, cfg) -> _Tmpl:
+        key = (o, cfg)
+        t = self._tmpl.get(key)
+        if t is not None:
+            return t
+        op, D = self.ops[o], self.D
+        validate_config(op, cfg, D)
+        parts = partitions(op, cfg)
+        t = _Tmpl()
+        t.devs = [p.device for p in parts]
+        t.devk = {p.device: k for k, p in enumerate(parts)}
+        t.fwd, t.bwd = [], []
+        t.busy = np.zeros(self.R, np.int64)
+        for p in parts:
+            f, b = self.cost.op_time(op, p, p.device)
+            f, b = _ps(f), _ps(b)
+            t.fwd.append(f)
+            t.bwd.append(b)
+            t.busy[p.device] += f + b
+        self._tmpl[key] = t
+        return t
+
+    def unit_template(self, members: tuple, cfg) -> tuple[list, list, list]:
+        """(member templates, fwd, bwd per partition) of a chain of ops sharing ``cfg``."""
+        key = (members, cfg)
+        u = self._unit.get(key)
+        if u is None:
+            ts = [self.template(o, cfg) for o in members]
+            if len(ts) == 1:
+                u = (ts, ts[0].fwd, ts[0].bwd)
+            else:
+                u = (ts, [sum(x) for x in zip(*(t.fwd for t in ts))], [sum(x) for x in zip(*(t.bwd for t in ts))])
+            self._unit[key] = u
+        return u
+
+    def fusable(self, v: int, cfg) -> bool:
+        """Whether v (under cfg, as its only producer) reads exactly its producer's partitions."""
+        key = (v, cfg)
+        f = self._fuse.get(key)
+        if f is None:
+            j = self.ext_inputs[v][0]
+            f = self._fuse[key] = self.edge_plan(self.inputs[v][j], v, j, cfg, cfg).identity
+        return f
+
+    def update_plan(self, h: int, cls: list, plans: tuple):
+        """Update tasks of unit h for its clusters: (devices, durations, per device (sync refs
+        (cluster, index), backward refs (op, partition)), busy row)."""
+        key = (h, plans)
+        up = self._update.get(key)
+        if up is not None:
+            return up
+        secs: dict[int, float] = {}
+        srefs: dict[int, list] = {}
+        brefs: dict[int, list] = {}
+        for c, cp in zip(cls, plans):
+            for d, (s, sidx, bdep) in cp.upd.items():
+                secs[d] = secs.get(d, 0.0) + s
+                srefs.setdefault(d, []).extend((c, i) for i in sidx)
+                brefs.setdefault(d, []).extend(bdep)
+        ds = sorted(secs)
+        durs = [_ps(secs[d]) for d in ds]
+        row = np.zeros(self.D, np.int64)
+        row[ds] = durs
+        up = self._update[key] = (ds, durs, [(srefs[d], list(dict.fromkeys(brefs[d]))) for d in ds], row,
+                                  [None] * len(ds), [_prio(h, UPD, 0, d) for d in ds])
+        return up
+
+    def unit_prios(self, h: int, n: int):
+        key = (h, n)
+        p = self._uprio.get(key)
+        if p is None:
+            p = self._uprio[key] = ([None] * n, [_prio(h, F, 0, k) for k in range(n)],
+                                    [_prio(h, B, 0, k) for k in range(n)])
+        return p
+
+    def transfer_ps(self, a: int, b: int, nbytes: int) -> int:
+        key = (a, b, nbytes)
+        t = self._xfer.get(key)
+        if t is None:
+            t = self._xfer[key] = _ps(self.machine.transfer_time_s(a, b, nbytes))
+        return t
+
+    def route(self, a: int, b: int):
+        """(single resource or -1, resource tuple or None) of a point-to-point transfer."""
+        r = self._route.get((a, b))
+        if r is None:
+            links = tuple(self.D + l for l in self.machine.route(a, b))
+            r = self._route[a, b] = (links[0], None) if len(links) == 1 else (-1, links)
+        return r
+
+    def edge_plan(self, u: int, o: int, j: int, cu, co) -> _EdgePlan:
+        key = (o, j, cu, co)
+        e = self._edge.get(key)
+        if e is not None:
+            return e
+        opu, opo, m = self.ops[u], self.ops[o], self.machine
+        pu, po = partitions(opu, cu), partitions(opo, co)
+        validate_config(opu, cu, self.D)
+        validate_config(opo, co, self.D)
+        nd = len(opu.output_shape)
+        by_box: dict[tuple, list[int]] = {}
+        for q, p in enumerate(pu):
+            by_box.setdefault(tuple((s.start, s.stop) for s in p.output), []).append(q)
+        bpe = dtype_bytes(opu.dtype)
+        e = _EdgePlan()
+        e.pairs = []
+        e.recv = np.zeros(self.D, np.int64)
+        e.busy = np.zeros(self.R, np.int64)
+        e.comm = 0
+        busy: dict[int, int] = {}
+        pairs = e.pairs
+        for k, box, n in self._overlaps(pu, po, j, nd, by_box):
+            qs = by_box[box]
+            pk = po[k]
+            if len(qs) > 1 and not pu[0].partial:  # replicas (not partial sums): read one copy
+                qs = (pick_replica(qs, pu, pk.device, k),)
+            nb = n * bpe
+            for q in qs:
+                a, b = pu[q].device, pk.device
+                if a == b:
+                    pairs.append((q, k, nb, -1, None, None, -1, None, None))
+                    continue
+                fr1, frm = self.route(a, b)
+                br1, brm = self.route(b, a)
+                fd, bd = self.transfer_ps(a, b, nb), self.transfer_ps(b, a, nb)
+                pairs.append((q, k, nb, fr1, frm, fd, br1, brm, bd))
+                e.recv[b] += nb
+                e.comm += 2 * nb
+                for r in (frm or (fr1,)):
+                    busy[r] = busy.get(r, 0) + fd
+                for r in (brm or (br1,)):
+                    busy[r] = busy.get(r, 0) + bd
+        for r, v in busy.items():
+            e.busy[r] = v
+        e.identity = (len(pu) == len(po) and len(e.pairs) == len(po)
+                      and all(x[0] == x[1] == k and x[5] is None for k, x in enumerate(e.pairs)))
+        xs = [x for x in e.pairs if x[5] is not None]
+        e.direct = [(q, k, -1, -1) for q, k, _, _, _, fd, _, _, _ in e.pairs if fd is None]
+        e.xqk = [(x[0], x[1]) for x in xs]
+        e.fcols = ([x[5] for x in xs], [x[3] for x in xs], [x[4] for x in xs],
+                   [_prio(o, XF, j, x[1], x[0]) for x in xs])
+        e.bcols = ([x[8] for x in xs], [x[6] for x in xs], [x[7] for x in xs],
+                   [_prio(o, XB, j, x[1], x[0]) for x in xs])
+        self._edge[key] = e
+        return e
+
+    @staticmethod
+    def _overlaps(pu, po, j: int, nd: int, by_box: dict):
+        """(consumer partition k, producer output box, elements) for every box that overlaps
+        what k reads of input j, k-major and boxes in lexicographic order."""
+        boxes = sorted(by_box)
+        regs = [pk.inputs[j] for pk in po]
+        ks = [k for k, r in enumerate(regs) if r is not None]
+        if not ks or not boxes:
+            return []
+        if any(len(regs[k]) != nd for k in ks):  # not expected: the plain intersection
+            out = []
+            for k in ks:
+                for box in boxes:
+                    ov = overlap(regs[k], tuple(slice(a, b) for a, b in box))
+                    n = 0 if ov is None else region_numel(ov)
+                    if n > 0:
+                        out.append((k, box, n))
+            return out
+        lo = np.array([[iv[0] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
+        hi = np.array([[iv[1] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
+        rlo = np.array([[x.start for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+        rhi = np.array([[x.stop for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+        ln = np.minimum(hi[None], rhi[:, None]) - np.maximum(lo[None], rlo[:, None])
+        num = np.clip(ln, 0, None).prod(axis=2)
+        kk, bb = np.nonzero(num)
+        vals = num[kk, bb].tolist()
+        return [(ks[x], boxes[y], v) for x, y, v in zip(kk.tolist(), bb.tolist(), vals)]
+
+    def ps_sync_ps(self, devices, nbytes: int) -> int:
+        """Parameter-server sync of one gradient among ``devices``: every other replica sends
+        it to the first, which sends the updated values back, one transfer after another."""
+        root, rest = devices[0], devices[1:]
+        return sum(self.transfer_ps(d, root, nbytes) + self.transfer_ps(root, d, nbytes) for d in rest)
+
+    def cluster_plan(self, c: int, cfg: list) -> _ClusterPlan:
+        """Parameter plan of cluster c; ``cfg``: op index -> config."""
+        us, pidx = self.clusters[c]
+        reps = self.cluster_reps[c]
+        key = (c, cfg[reps[0]]) if len(reps) == 1 else (c,) + tuple(cfg[r] for r in reps)
+        cp = self._cluster.get(key)
+        if cp is not None:
+            return cp
+        m, D, oc, ops = self.machine, self.D, self.optimizer_copies, self.ops
+        cfgs = {ops[o].name: cfg[o] for o in us}
+        place = param_placement(_SubGraph([ops[o] for o in us]), cfgs)
+        devs = [(o, self.template(o, cfg[o]).devs) for o in us]
+        cp = _ClusterPlan()
+        cp.syncs, cp.upd = [], {}
+        cp.mem = np.zeros(D, np.int64)       # values (parameters, buffers) + optimizer state
+        cp.grad = np.zeros(D, np.int64)      # parameter gradients
+        cp.synced = np.zeros(D, np.int64)    # gradients all-reduced (the bucket buffer)
+        cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
+        cp.busy = np.zeros(self.R, np.int64)
+        cp.sync_bytes = 0
+        cp.ps_ps = 0  # parameter-server sync time added after the task graph (sync="ps")
+        upd_s: dict[int, float] = {}
+        upd_syncs: dict[int, list[int]] = {}
+        upd_bdep: set[int] = set()
+        # Gradients of the cluster's shards held by the same devices travel in one
+        # all-reduce (the executor buckets them), charged per bucket share.
+        groups: dict[tuple, list] = {}  # devices -> [bytes, first (param, shard)]
+        shard_list = []
+        for pi in pidx:
+            _, shards, trainable = place[self.param_names[pi]]
+            bpe = dtype_bytes(ops[self.param_first[pi][0]].dtype)
+            for si, sh in enumerate(shards):
+                nb = region_numel(sh.region) * bpe
+                shard_list.append((pi, si, sh, nb, trainable))
+                if trainable and nb > 0 and len(sh.devices) > 1:
+                    g = groups.setdefault(tuple(sh.devices), [0, (pi, si)])
+                    g[0] += nb
+        group_sync: dict[tuple, int] = {}
+        for devices, (nb, (pi, si)) in groups.items():
+            if self.sync == "ps":
+                cp.ps_ps += self.ps_sync_ps(devices, nb)
+                dur = 1  # the sync task only orders the updates; its time comes after the graph
+            else:
+                dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
+            links = tuple(D + l for l in m.allreduce_links(devices))
+            r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
+            group_sync[devices] = len(cp.syncs)
+            ds = set(devices)
+            users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]
+            cp.syncs.append((pi, si, frozenset(devices), dur, r1, rm, users))
+            cp.sync_bytes += m.allreduce_bytes_sent(devices, nb)
+            for r in links:
+                cp.busy[r] += dur
+        for pi, si, sh, nb, trainable in shard_list:
+            for d in sh.devices:
+                cp.mem[d] += nb * (1 + (oc if trainable else 0))  # value, optimizer state
+            if not trainable or nb <= 0:
+                continue
+            sync = group_sync.get(tuple(sh.devices), -1)
+            for d in sh.devices:
+                cp.grad[d] += nb
+                cp.maxshard[d] = max(cp.maxshard[d], nb)
+                if sync >= 0:
+                    cp.synced[d] += nb
+                s = m.devices[d].spec
+                upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * nb / s.mem_bw_Bps + s.launch_overhead_s
+                if sync < 0:
+                    upd_bdep.add(d)
+                elif sync not in upd_syncs.get(d, ()):
+                    upd_syncs.setdefault(d, []).append(sync)
+        cp.cols = ([x[3] for x in cp.syncs], [x[4] for x in cp.syncs], [x[5] for x in cp.syncs],
+                   [_prio(x[0], SYNC, 0, x[1]) for x in cp.syncs])
+        for d in sorted(upd_s):
+            bdep = [(o, dv.index(d)) for o, dv in devs if d in dv] if d in upd_bdep else []
+            cp.upd[d] = (upd_s[d], upd_syncs.get(d, []), bdep)
+        # a lower bound on this cluster's share of its devices' update tasks: a unit's update
+        # lasts round(sum of its clusters' seconds) >= that sum - 1/2 ps (float slack besides)
+        cp.upd_lb = np.zeros(D, np.int64)
+        for d, (s, _, _) in cp.upd.items():
+            cp.upd_lb[d] = max(0, int(s * PS * (1.0 - 1e-9) - 0.5))
+        self._cluster[key] = cp
+        return cp

@@ -1,0 +1,44 @@
+"""Task keys: kinds, canonical priorities and integer picosecond times shared by the task
+graph, its plans and the scheduler.
+
+Every task has a canonical priority (op index, kind, input, partitions) that breaks ties the
+same way however the graph was built; the scheduler's heap key is
+``ready << KEY_SHIFT | prio << TID_BITS | tid``."""
+from __future__ import annotations
+
+__all__ = ["PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
+
+# "ring": bucketed ring all-reduce overlapping the backward (what the executor and DDP do);
+# "ps": the paper's runtime -- gradients gathered to one replica, updated, sent back, after
+# the task graph with no overlap (only to set the paper's figures side by side)
+SYNC_MODELS = ("ring", "ps")
+
+PS = 10**12  # picoseconds per second
+F, B, XF, XB, SYNC, UPD = range(6)
+KIND_NAMES = ("fwd", "bwd", "xfer", "xfer-grad", "sync", "update")
+_JB, _PB, _AB = 10, 10, 16  # bits: input index, partition index, op/param/cluster index
+PRIO_BITS = _AB + 3 + _JB + 2 * _PB
+TID_BITS = 24
+KEY_SHIFT = PRIO_BITS + TID_BITS  # heap key = ready << KEY_SHIFT | prio << TID_BITS | tid
+TID_MASK = (1 << TID_BITS) - 1
+
+
+def _prio(a: int, kind: int, j: int = 0, k: int = 0, q: int = 0) -> int:
+    return ((((a << 3 | kind) << _JB | j) << _PB | k) << _PB) | q
+
+
+def decode_prio(p: int) -> tuple[int, int, int, int, int]:
+    """(a, kind, j, k, q) of a priority: a is the op (fwd/bwd/xfer), param (sync) or cluster
+    (update) index, j the input index, k / q the consumer / producer partition (or device)."""
+    m = (1 << _PB) - 1
+    q, k = p & m, (p >> _PB) & m
+    p >>= 2 * _PB
+    j = p & ((1 << _JB) - 1)
+    p >>= _JB
+    return p >> 3, p & 7, j, k, q
+
+
+def _ps(seconds: float) -> int:
+    """Seconds -> integer picoseconds, at least 1 (every task takes time: keeps keys ordered)."""
+    return max(1, int(round(seconds * PS)))
+

@@ -1,0 +1,243 @@
+"""Delta edits of a :class:`flexflow.taskgraph.TaskGraph`: task allocation that reuses
+released ids, killing tasks, replacing predecessor lists (successor lists follow in one pass)
+and :meth:`patch`, which moves the graph to a strategy that differs in a few share groups and
+says which tasks died, changed or were born (the delta simulation in ``simulate.py``)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from .taskkeys import TID_BITS, TID_MASK
+
+__all__ = []
+
+
+class _Patching:
+    """Task allocation and the delta patch; mixed into TaskGraph, whose building blocks
+    (``_form_units``, ``_make_unit``, ``_make_edge``, ...) it calls."""
+
+    # ---- task allocation ------------------------------------------------------------------
+    def _alloc(self, durs: list, r1s: list, rms: list, prios: list):
+        """New task ids for tasks given column-wise (reusing released ids first)."""
+        n = len(durs)
+        if self._bulk is not None:  # building from scratch: the other columns come at the end
+            base = len(self.DUR)
+            self.DUR += durs
+            self.RES1 += r1s
+            self.RESM += rms
+            self.PRED += [()] * n
+            self._bulk += prios
+            return range(base, base + n)
+        free = self._free
+        if len(free) >= n:
+            tids = free[len(free) - n:]
+            del free[len(free) - n:]
+            DUR, RES1, RESM, KP, SUCC, PRED, ALIVE = (self.DUR, self.RES1, self.RESM, self.KP, self.SUCC,
+                                                      self.PRED, self.ALIVE)
+            for t, d, r1, rm, p in zip(tids, durs, r1s, rms, prios):
+                DUR[t], RES1[t], RESM[t], KP[t] = d, r1, rm, p << TID_BITS | t
+                SUCC[t] = PRED[t] = ()
+                ALIVE[t] = True
+        else:
+            base = len(self.DUR)
+            if base + n > TID_MASK:
+                raise ValueError("too many tasks for the simulator")
+            tids = list(range(base, base + n))
+            self.DUR += durs
+            self.RES1 += r1s
+            self.RESM += rms
+            self.KP += [p << TID_BITS | t for p, t in zip(prios, tids)]
+            self.SUCC += [()] * n
+            self.PRED += [()] * n
+            self.ALIVE += [True] * n
+            zeros = [0] * n
+            self.READY += zeros
+            self.FIN += zeros
+            self.CNT += zeros
+        self._born += tids
+        return tids
+
+    def _kill(self, t: int) -> None:
+        """Mark t dead; successor lists are fixed in one pass by :meth:`_flush`."""
+        self.ALIVE[t] = False
+        drop = self._drop
+        for p in self.PRED[t]:
+            d = drop.setdefault(p, {})
+            d[t] = d.get(t, 0) + 1
+        self.PRED[t] = self.SUCC[t] = ()
+        self._dead.append(t)
+
+    def _set_pred(self, t: int, new) -> bool:
+        """Replace t's predecessors (successors follow in :meth:`_flush`); True if changed.
+        Predecessors may repeat (an op reading one tensor twice): multiset difference."""
+        old = self.PRED[t]
+        new = tuple(new)
+        if old == new:
+            return False
+        drop, add = self._drop, self._add
+        self.PRED[t] = new
+        if not old:
+            for p in new:
+                add.setdefault(p, []).append(t)
+            return True
+        gone, came = Counter(old), Counter(new)
+        gone.subtract(new)
+        came.subtract(old)
+        for p, n in gone.items():
+            if n > 0:
+                d = drop.setdefault(p, {})
+                d[t] = d.get(t, 0) + n
+        for p, n in came.items():
+            if n > 0:
+                add.setdefault(p, []).extend([t] * n)
+        return True
+
+    def _flush(self) -> None:
+        """Apply the successor-list edits queued by _kill and _set_pred."""
+        SUCC, ALIVE, drop, add = self.SUCC, self.ALIVE, self._drop, self._add
+        for p, ts in drop.items():
+            if ALIVE[p]:
+                out = []
+                for x in SUCC[p]:
+                    n = ts.get(x)
+                    if n:
+                        ts[x] = n - 1
+                    else:
+                        out.append(x)
+                SUCC[p] = tuple(out)
+        for p, ts in add.items():
+            SUCC[p] += tuple(ts)
+        drop.clear()
+        add.clear()
+
+    def release(self) -> None:
+        """After a schedule no longer refers to the dead tasks: reuse their ids."""
+        self._free.extend(self._dead)
+        self._dead.clear()
+        self._born.clear()
+
+    def num_tasks(self) -> int:
+        return len(self.DUR) - len(self._free) - len(self._dead)
+
+    # ---- delta ----------------------------------------------------------------------------
+    def changed_groups(self, strategy) -> list[int]:
+        ctx, cfg, out = self.ctx, self.cfg, []
+        ops = ctx.ops
+        for g, members in enumerate(ctx.groups):
+            o = members[0]
+            new = strategy[ops[o].name]
+            old = cfg[o]
+            if new is not old and new != old:
+                out.append(g)
+        return out
+
+    def patch(self, strategy, groups: list[int]):
+        """Move to ``strategy``, which differs from the current one in ``groups``.
+
+        Returns (dead, dirty, born): killed task ids, surviving tasks whose predecessors
+        changed, new task ids."""
+        ctx = self.ctx
+        unit, members = self.unit, self.members
+        co = {o for g in groups for o in ctx.groups[g]}
+        for o in co:
+            self.cfg[o] = strategy[ctx.ops[o].name]
+        self.strategy = strategy
+        a0 = set(co)
+        for o in co:
+            a0.update(ctx.producers[o])
+            a0.update(ctx.consumers[o])
+        old_units = {}
+        for o in a0:
+            h = unit[o]
+            if h not in old_units:
+                old_units[h] = tuple(members[h])
+        M = sorted(o for ms in old_units.values() for o in ms)
+        self._form_units(M)
+        new_heads = {unit[o] for o in M}
+        kept = {h for h in new_heads if old_units.get(h) == tuple(members[h])
+                and not any(o in co for o in members[h])}
+        r_ops = [o for o in M if unit[o] not in kept]
+        r_set = set(r_ops)
+        edges = set()
+        for o in r_ops:
+            for j in ctx.ext_inputs[o]:
+                edges.add((o, j))
+            edges.update(ctx.cons[o])
+        clusters = sorted({c for o in r_ops for c in ctx.op_clusters[o]})
+        upd_units = {h for h in new_heads if h not in kept}
+        upd_units.update(unit[ctx.clusters[c][0][0]] for c in clusters)
+        # kill what the change touches
+        kill = self._kill
+        for o, j in edges:
+            rec = self.EDGES[o][j]
+            if rec:
+                for _, _, xf, xb in rec:
+                    if xf >= 0:
+                        kill(xf)
+                        kill(xb)
+        for h in old_units:
+            if h not in kept:
+                for t in self.FT[h]:
+                    kill(t)
+                for t in self.BT[h]:
+                    kill(t)
+                for t in self.UPDT[h].values():
+                    kill(t)
+                self.UPDT[h] = {}
+        for h in upd_units:
+            if self.UPDT[h]:
+                for t in self.UPDT[h].values():
+                    kill(t)
+        for c in clusters:
+            for t in self.SYNCT[c]:
+                kill(t)
+        for h in old_units:  # heads that are no longer heads
+            if unit[h] != h:
+                self.UPDT[h] = {}
+                self.UBUSY[h] = 0
+        # rebuild
+        for h in sorted(new_heads - kept):
+            self._make_unit(h)
+        for o, j in sorted(edges):
+            self._make_edge(o, j, True)
+        for c in clusters:
+            self._make_syncs(c, True)
+        for h in sorted(upd_units):
+            self._make_updates(h, True)
+        pf = set(new_heads)
+        pf.update(unit[o] for o, _ in edges)
+        pb = set(new_heads)
+        pb.update(unit[ctx.inputs[o][j]] for o, j in edges)
+        born = set(self._born)
+        dirty = []
+        setp = self._set_pred
+        for h in pf:
+            for t, p in zip(self.FT[h], self._f_pred(h)):
+                if setp(t, p) and t not in born:
+                    dirty.append(t)
+        for h in pb:
+            for t, p in zip(self.BT[h], self._b_pred(h)):
+                if setp(t, p) and t not in born:
+                    dirty.append(t)
+        self._flush()
+        for o in r_set.union(o for o, _ in edges):
+            self._rows(o)
+        live, cfg = ctx.live, self.cfg
+        for o in sorted({x for v in co for x in live.dependents[v]}):
+            if not ctx.everywhere[o]:
+                self._set_events(self.MEV, o, live.op_events(o, cfg))
+        return list(self._dead), dirty, list(self._born)
+
+    def validate(self) -> None:
+        """Consistency of the task arrays (for tests): successor lists mirror predecessor
+        lists and no live task refers to a dead one."""
+        succ_from_pred: dict[int, list] = {}
+        for t, preds in enumerate(self.PRED):
+            if not self.ALIVE[t]:
+                assert not preds and not self.SUCC[t], t
+                continue
+            for p in preds:
+                assert self.ALIVE[p], (t, p)
+                succ_from_pred.setdefault(p, []).append(t)
+        for t, succ in enumerate(self.SUCC):
+            if self.ALIVE[t]:
+                assert sorted(succ) == sorted(succ_from_pred.get(t, [])), t
