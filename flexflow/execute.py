@@ -450,15 +450,8 @@ class Runtime:
                 and step.inputs[0][1] in stacked_in:
             k = self._stacked_item(op, step.inputs[0])
             if k is not None:  # h or c of a cell: the part itself, no op at all
-                _, src, data = step.inputs[0]
-                index = RULES["index"].bind(op, step.part.block)
-
-                def part_k(vals, pvals):
-                    v = vals[src]
-                    if type(v) is _Stacked:
-                        return v.parts[k]
-                    return index([v if data is None else v[data]], None)  # stacked for an exchange already
-                return part_k
+                src = step.inputs[0][1]
+                return lambda vals, pvals: vals[src].parts[k]
         getters = []
         for entry in step.inputs:
             if entry is None:
@@ -875,11 +868,10 @@ def _compute(op: Op, block, ins: list, params: dict):
 
 
 def _tensor(vals: dict, name: str):
-    """vals[name] as a tensor (a stacked value is stacked, once); None when absent."""
+    """vals[name] as a tensor (a stacked value stacked, once: :meth:`_Stacked.stack`
+    keeps it, and readers of one part still read the part); None when absent."""
     v = vals.get(name)
-    if isinstance(v, _Stacked):
-        v = vals[name] = v.stack()
-    return v
+    return v.stack() if isinstance(v, _Stacked) else v
 
 
 # --------------------------------------------------------------------------- autograd

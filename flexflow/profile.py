@@ -41,6 +41,7 @@ import torch
 
 from .cost import CostModel, fit_efficiency, partition_bytes, partition_flops
 from .ops import RULES, region_shape
+from .ops.base import leaves
 from .profiledb import (FORMAT, VERSION, ProfileDB, _torch_device, device_kind_of, device_name,  # (re-exported)
                         key_str, package_profile_path, profiles_dir)
 from .strategy import ParallelConfig, partitions
@@ -106,14 +107,7 @@ def _int_input(op, i, region, shape, gen, graph, dev):
 
 
 def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
+    return (t for t in leaves(x) if isinstance(t, torch.Tensor))
 
 
 class _Timer:

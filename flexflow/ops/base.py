@@ -158,6 +158,18 @@ def _block_shape(op: Op, block: Block) -> tuple[int, ...]:
 RULES["base"] = Rule()
 
 
+def leaves(x):
+    """The leaves of nested tuples, lists and dicts (dict values), in order."""
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from leaves(y)
+    else:
+        yield x
+
+
 def flatten(x):
     """The leaves of a (nested) tuple or list, in order (a non-sequence is its own leaf)."""
     if isinstance(x, (tuple, list)):

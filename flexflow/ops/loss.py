@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, batch_dim, block_range, call_template, flatten, out_region, register
+from .base import Block, Rule, batch_dim, block_range, call_template, flatten, leaves, out_region, register
 
 
 @register("loss")
@@ -89,19 +89,8 @@ def _sized_by_batch(op: Op, batch: int) -> bool:
         return False
     if len(op.inputs) != 1:
         return True
-    ints = [v for v in _leaves((op.args, op.kwargs)) if isinstance(v, int) and not isinstance(v, bool)]
+    ints = [v for v in leaves((op.args, op.kwargs)) if isinstance(v, int) and not isinstance(v, bool)]
     return any(v >= batch and v % batch == 0 for v in ints)
-
-
-def _leaves(x):
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _leaves(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _leaves(y)
-    else:
-        yield x
 
 
 @register("opaque")
