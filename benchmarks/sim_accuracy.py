@@ -27,7 +27,7 @@ RESULTS = os.path.join(HERE, "results")
 
 # model, global batch: sized so that compute dominates Python overheads here
 CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32), ("wide_mlp", 32)]
-ROUNDS = 4
+ROUNDS = 5
 NPROCS = 2
 
 
@@ -68,14 +68,14 @@ def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
     for label, (model, opt) in runs.items():
         for _ in range(warmup):
             step(model, opt)
-    for _ in range(rounds):
+    for _ in range(rounds):  # a round: `steps` steps back to back, as in training, between barriers
         for label, (model, opt) in runs.items():
+            dist.barrier()
+            t = time.perf_counter()
             for _ in range(steps):
-                dist.barrier()
-                t = time.perf_counter()
                 step(model, opt)
-                dist.barrier()
-                times[label].append(time.perf_counter() - t)
+            dist.barrier()
+            times[label].append((time.perf_counter() - t) / steps)
     return {k: {"median_s": statistics.median(v), "spread_s": [min(v), max(v)]} for k, v in times.items()}
 
 
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     print(f"calibrated gloo: {figures['latency_s'] * 1e6:.0f} us, {figures['bandwidth_Bps'] / 1e9:.2f} GB/s",
           flush=True)
     machine = ff.Machine.preset("cpu", devices=NPROCS)
-    warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 3, ROUNDS)
+    warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 4, ROUNDS)
     from real_speedup import build
     rows = []
     for name, batch in CASES:
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
                          "analytic_ms": analytic[k] * 1e3,
                          "analytic_error": (analytic[k] - measured[k]) / measured[k],
                          "measured_ms": measured[k] * 1e3, "error": err,
-                         "spread_ms": [x * 1e3 for x in got[k]["spread_s"]]})
+                         "spread_ms": [x * 1e3 for x in got[k]["spread_s"]],
+                         "strategy_json": strategies[k].to_json()})
             print(f"{name:<12} {k:<15} predicted {predicted[k] * 1e3:8.2f} ms  measured "
                   f"{measured[k] * 1e3:8.2f} ms  error {err * 100:+6.1f}%", flush=True)
     taus = {}

@@ -99,17 +99,60 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
         for size in sizes:
             buf = torch.zeros(max(1, size // 4))
 
-            def allreduce():
+            times = []  # each all-reduce right after a barrier (what it costs in a step)
+            for i in range(warmup + repeats):
                 dist.barrier()
+                t0 = time.perf_counter()
                 dist.all_reduce(buf)
-            t_barrier = _median_time(dist.barrier, warmup, repeats)
-            t = _median_time(allreduce, warmup, repeats)
-            out["allreduce"].append([buf.numel() * 4, max(t - t_barrier, 1e-9)])
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            out["allreduce"].append([buf.numel() * 4, statistics.median(times)])
+        out["exchange"] = _exchange_cost(torch, dist, rank, nprocs, warmup, repeats)
         dist.barrier()
         out.update(_compute_figures(torch))  # all ranks at once, as in a real run
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def _exchange_cost(torch, dist, rank, nprocs, warmup, repeats, nbytes: int = 4096) -> float:
+    """Seconds one small message costs when it lands between compute, as in a training step:
+    ranks 0 and 1 each compute a small chunk (about a typical op), then swap one message
+    each way (receive posted before the compute, send after it, as the executor does).
+    With messages holding both ends' cores, a round lasts compute + 2 messages."""
+    a = torch.randn(64, 64)
+
+    def compute():
+        y = a
+        for _ in range(8):
+            y = (y @ a) * 0.01
+    peer = 1 - rank if rank < 2 else None
+    x = torch.ones(max(1, nbytes // 4))
+
+    def rounds(n):
+        for _ in range(n):
+            if peer is None:
+                compute()
+                continue
+            r = dist.irecv(torch.empty_like(x), peer)
+            compute()
+            s = dist.isend(x, peer)
+            r.wait()
+            s.wait()
+    rounds(max(1, warmup) * 5)
+    samples = []
+    for _ in range(max(3, repeats)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        rounds(20)
+        t_round = (time.perf_counter() - t0) / 20
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            compute()
+        t_compute = (time.perf_counter() - t0) / 20
+        samples.append(max(t_round - t_compute, 0.0) / 2)
+    return statistics.median(samples)
 
 
 def _fit(samples) -> tuple[float, float]:
@@ -149,6 +192,8 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     dtypes = set.intersection(*(set(r["peak_flops"]) for r in ranks))
     return {
         "nprocs": nprocs,
+        "cores": _cpu_cores(),
+        "exchange_s": max(ranks[0]["exchange"], ranks[1]["exchange"]),
         "latency_s": lat, "bandwidth_Bps": bw,
         "allreduce_latency_s": ar_lat / steps, "allreduce_bandwidth_Bps": ar_inv * steps / nprocs,
         "peak_flops": {d: statistics.median(r["peak_flops"][d] for r in ranks) for d in sorted(dtypes)},
@@ -159,8 +204,19 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     }
 
 
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def write_cpu_machine_file(figures: dict, path=None) -> Path:
-    """Write the cpu machine with the calibrated figures (atomically); returns the path."""
+    """Write the cpu machine with the calibrated figures (atomically); returns the path.
+
+    When the host has fewer than two cores per process, gloo's communication threads share
+    the cores that compute (``comm_on_cores``): a message then holds both ends' devices, and
+    its latency is the cost measured between compute (``exchange_s``), not the idle ping-pong."""
     base = _cpu_default()
     flops = dict(figures.get("peak_flops") or {})
     if "float32" not in flops:
@@ -169,7 +225,15 @@ def write_cpu_machine_file(figures: dict, path=None) -> Path:
                                mem_bw_Bps=float(figures.get("mem_bw_Bps") or base.spec.mem_bw_Bps),
                                launch_overhead_s=float(figures.get("launch_overhead_s")
                                                        or base.spec.launch_overhead_s))
-    link = LinkSpec(float(figures["bandwidth_Bps"]), float(figures["latency_s"]), "loopback")
+    nprocs, cores = int(figures.get("nprocs") or 2), int(figures.get("cores") or _cpu_cores())
+    on_cores = cores < 2 * nprocs and figures.get("exchange_s") is not None
+    latency = float(figures["exchange_s"] if on_cores else figures["latency_s"])
+    ar = {}
+    if figures.get("allreduce_bandwidth_Bps") and figures.get("allreduce_latency_s") is not None:
+        ar = {"allreduce_bandwidth_Bps": float(figures["allreduce_bandwidth_Bps"]),
+              "allreduce_latency_s": float(figures["allreduce_latency_s"])}
+    spec = dataclasses.replace(spec, comm_on_cores=on_cores)
+    link = LinkSpec(float(figures["bandwidth_Bps"]), latency, "loopback", **ar)
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
     d = machine.to_dict()
     d["measured"] = {k: v for k, v in figures.items() if k != "samples"}

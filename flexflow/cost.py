@@ -222,7 +222,11 @@ class CostModel:
         out = tuple(s.stop - s.start for s in part.output)
         attrs = tuple(sorted((k, repr(v)) for k, v in op.attrs.items() if k not in _POSITION_ATTRS))
         in_dtypes = tuple(str(d).removeprefix("torch.") for d in op.input_dtypes)
-        return (op.kind, op.rule, str(op.dtype), out, ins, ps, attrs, in_dtypes)
+        key = (op.kind, op.rule, str(op.dtype), out, ins, ps, attrs, in_dtypes)
+        # floating inputs that get no gradient (an image batch): their backward is cheaper
+        nograd = tuple(i for i, dt in enumerate(op.input_dtypes)
+                       if dt.is_floating_point and not op.input_needs_grad(i))
+        return key + (("nograd",) + nograd,) if nograd else key
 
     def _lookup(self, op: Op, part, spec):
         if self.profile is None or op.everywhere:
@@ -265,6 +269,8 @@ class CostModel:
         oh_f, oh_b = self.overhead or (spec.launch_overhead_s, spec.launch_overhead_s)
         eff = self.efficiency.get(op.rule, self.efficiency["default"])
         bw, factor = spec.mem_bw_Bps, RULES[op.rule].backward_factor(op)
+        if op.params and not any(op.input_needs_grad(i) for i in range(len(op.input_dtypes))):
+            factor *= 0.5  # the parameters' gradient only: no input gradient (the first layer)
         if fit is not None:
             oh_f, oh_b, eff = fit.overhead_fwd_s, fit.overhead_bwd_s, fit.efficiency
             bw, factor = bw * fit.bandwidth_scale, factor * fit.backward_scale

@@ -90,6 +90,15 @@ class Op:
     module_path: str = ""  # qualified name of the module that ran the op
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)
     input_dtypes: list[torch.dtype] = field(default_factory=list)
+    # per input: whether a gradient flows back into it in training (a parameter feeds it);
+    # set by OpGraph, None on a lone op (every floating input then counts as needing one)
+    input_grads: tuple | None = None
+
+    def input_needs_grad(self, i: int) -> bool:
+        """Whether training computes a gradient for tensor input ``i``."""
+        if not self.input_dtypes[i].is_floating_point:
+            return False
+        return True if self.input_grads is None else bool(self.input_grads[i])
 
     @property
     def parallel_dims(self) -> dict[str, str]:
@@ -142,6 +151,11 @@ class OpGraph:
                 if op.name not in self.consumers[src]:
                     self.consumers[src].append(op.name)
         self.index = {op.name: i for i, op in enumerate(self.ops)}
+        # which values carry a gradient in training: those a trainable parameter feeds
+        grad: dict[str, bool] = {}
+        for op in self.ops:
+            op.input_grads = tuple(grad.get(src, False) for src in op.inputs)
+            grad[op.name] = op.dtype.is_floating_point and (bool(op.params) or any(op.input_grads))
         groups: dict[str, list[str]] = {}
         for op in self.compute_ops:
             groups.setdefault(op.group, []).append(op.name)

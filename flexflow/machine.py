@@ -35,6 +35,10 @@ class DeviceSpec:
     memory_bytes: int
     launch_overhead_s: float  # fixed cost per kernel / eager op
     backend: str = "nccl"     # torch.distributed backend: "nccl" or "gloo"
+    # CPU processes whose communication threads share the cores that compute (gloo on a host
+    # with no spare core per process): a message or an all-reduce also occupies the devices
+    # at its ends for its duration, instead of overlapping their compute
+    comm_on_cores: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -58,10 +62,15 @@ class Device:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """Bandwidth/latency of one kind of link in a cluster description."""
+    """Bandwidth/latency of one kind of link in a cluster description.  ``allreduce_*``:
+    per ring step of an all-reduce over these links, when measured apart from point-to-point
+    messages (gloo's all-reduce reduces on the CPU and moves data its own way); None: the
+    point-to-point figures."""
     bandwidth_Bps: float
     latency_s: float
     kind: str
+    allreduce_bandwidth_Bps: float | None = None
+    allreduce_latency_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class Link:
     bandwidth_Bps: float
     latency_s: float
     kind: str
+    ar_bandwidth_Bps: float = 0.0  # per ring step of an all-reduce (LinkSpec.allreduce_*)
+    ar_latency_s: float = 0.0
 
 
 # GPUs known by name. memory_bytes is the nominal size; detect() uses the measured one.
@@ -121,6 +132,22 @@ def cpu_machine_file() -> Path:
 
 
 
+def _spec_dict(spec: DeviceSpec) -> dict:
+    """A device spec as JSON; ``comm_on_cores`` only when set (descriptions without it, and
+    their fingerprints, stay as they were)."""
+    d = dataclasses.asdict(spec)
+    if not d["comm_on_cores"]:
+        del d["comm_on_cores"]
+    return d
+
+
+def _bool(d: dict, key: str, where: str) -> bool:
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise ValueError(f"machine JSON: '{where}{key}' must be true or false, not {v!r}")
+    return v
+
+
 def _cpu_default() -> "Machine":
     """The uncalibrated cpu preset. Modest per-process figures for one core (one thread):
     ~50 GFLOP/s fp32 matmul (AVX2 FMA), ~10 GB/s copy bandwidth; ~10 us per eager op.
@@ -137,14 +164,14 @@ def _cpu_default() -> "Machine":
 def _calibrate_once() -> None:
     """Calibrate the cpu machine into the cache unless a calibrated file is there."""
     path = cpu_machine_file()
-    if path.exists():
+    if _calibration_current(path):
         return
     import fcntl
     import sys
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(str(path) + ".lock", "w") as lock:  # processes of one host calibrate once, together
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():
+        if _calibration_current(path):
             return
         print(f"flexflow: calibrating this host once (gloo between 2 processes, CPU speed); "
               f"cached in {path}", file=sys.stderr, flush=True)
@@ -153,6 +180,19 @@ def _calibrate_once() -> None:
             calibrate_comm(nprocs=2, path=path, sizes_bytes=(4096, 256 * 1024, 4 * 2**20), repeats=3, warmup=1)
         except Exception as e:  # noqa: BLE001 - an uncalibrated machine still works
             warnings.warn(f"host calibration failed ({type(e).__name__}: {e}); using the cpu preset's defaults")
+
+
+# what a calibration must have measured to be used as it is (older files lack the cost of a
+# message between compute, and the all-reduce figures): detect() calibrates again
+_CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps")
+
+
+def _calibration_current(path: Path) -> bool:
+    try:
+        measured = json.loads(path.read_text()).get("measured") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return all(k in measured for k in _CALIBRATION_KEYS)
 
 
 def _cpu_preset() -> "Machine":
@@ -208,7 +248,9 @@ class Machine:
         links, intra, nic_out, nic_in = [], {}, {}, {}
 
         def add(name, ls):
-            links.append(Link(len(links), name, ls.bandwidth_Bps, ls.latency_s, ls.kind))
+            ar_bw = ls.bandwidth_Bps if ls.allreduce_bandwidth_Bps is None else ls.allreduce_bandwidth_Bps
+            ar_lat = ls.latency_s if ls.allreduce_latency_s is None else ls.allreduce_latency_s
+            links.append(Link(len(links), name, ls.bandwidth_Bps, ls.latency_s, ls.kind, ar_bw, ar_lat))
             return len(links) - 1
         for node in range(nodes):
             ids = [d.id for d in devices if d.node == node]
@@ -308,9 +350,17 @@ class Machine:
         n = len(hops)
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bw = min(self.links[i].bandwidth_Bps for hop in hops for i in hop)
-        lat = max(sum(self.links[i].latency_s for i in hop) for hop in hops)
+        bw = min(self.links[i].ar_bandwidth_Bps for hop in hops for i in hop)
+        lat = max(sum(self.links[i].ar_latency_s for i in hop) for hop in hops)
         return 2 * (n - 1) * (lat + nbytes / n / bw)
+
+    def allreduce_latency_s(self, devices: Iterable) -> float:
+        """The latency term of one ring all-reduce among these devices (2(n-1) hop latencies)."""
+        hops = self._ring(devices)
+        n = len(hops)
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) * max(sum(self.links[i].ar_latency_s for i in hop) for hop in hops)
 
     def bucketed_allreduce_time_s(self, devices: Iterable, nbytes: float, bucket_bytes: float) -> float:
         """Share of ring all-reduces that a gradient of nbytes takes when gradients travel in
@@ -321,7 +371,7 @@ class Machine:
             return 0.0
         hops = self._ring(devices)
         n = len(hops)
-        lat = 2 * (n - 1) * max(sum(self.links[i].latency_s for i in hop) for hop in hops)
+        lat = 2 * (n - 1) * max(sum(self.links[i].ar_latency_s for i in hop) for hop in hops)
         return full - lat + lat * min(1.0, nbytes / bucket_bytes)
 
     def allreduce_bytes_sent(self, devices: Iterable, nbytes: float) -> float:
@@ -331,9 +381,10 @@ class Machine:
 
     # ---- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict:
-        link = lambda ls: None if ls is None else dataclasses.asdict(ls)
+        link = lambda ls: None if ls is None else {k: v for k, v in dataclasses.asdict(ls).items()
+                                                   if v is not None}
         return {"name": self.name, "nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
-                "num_devices": self.num_devices, "device": dataclasses.asdict(self.spec),
+                "num_devices": self.num_devices, "device": _spec_dict(self.spec),
                 "intra_node": link(self.intra_node), "inter_node": link(self.inter_node)}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -346,7 +397,7 @@ class Machine:
                     {"num_devices", "inter_node", "comment", "measured"})
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
-                    {"launch_overhead_s", "backend"})
+                    {"launch_overhead_s", "backend", "comm_on_cores"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -361,7 +412,8 @@ class Machine:
             raise ValueError(f"machine JSON: 'device.backend' must be 'nccl' or 'gloo', not {backend!r}")
         spec = DeviceSpec(dev["kind"], pf, _num(dev, "mem_bw_Bps", "device."),
                           int(_num(dev, "memory_bytes", "device.")),
-                          _num(dev, "launch_overhead_s", "device.", zero_ok=True, default=5e-6), backend)
+                          _num(dev, "launch_overhead_s", "device.", zero_ok=True, default=5e-6), backend,
+                          _bool(dev, "comm_on_cores", "device."))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
@@ -453,9 +505,12 @@ def _int(d, key) -> int:
 
 
 def _link(d, where) -> LinkSpec:
-    _check_keys(d, where + ".", {"bandwidth_Bps", "latency_s"}, {"kind"})
+    _check_keys(d, where + ".", {"bandwidth_Bps", "latency_s"},
+                {"kind", "allreduce_bandwidth_Bps", "allreduce_latency_s"})
+    ar = {k: _num(d, k, where + ".", zero_ok=k.endswith("latency_s"))
+          for k in ("allreduce_bandwidth_Bps", "allreduce_latency_s") if d.get(k) is not None}
     return LinkSpec(_num(d, "bandwidth_Bps", where + "."), _num(d, "latency_s", where + ".", zero_ok=True),
-                    str(d.get("kind", where)))
+                    str(d.get("kind", where)), **ar)
 
 
 def _try(f, default):

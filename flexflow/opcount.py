@@ -50,8 +50,8 @@ def eager_op_counts(op: Op, part) -> tuple[int, int]:
     """(forward, backward) aten ops of partition ``part`` of ``op``; (1, 1) when
     the rule does not run on meta tensors."""
     try:
-        ins = [None if r is None else _meta(region_shape(r), dt, True)
-               for r, dt in zip(part.inputs, op.input_dtypes)]
+        ins = [None if r is None else _meta(region_shape(r), dt, op.input_needs_grad(i))
+               for i, (r, dt) in enumerate(zip(part.inputs, op.input_dtypes))]
         params = {}
         for local, region in part.params.items():
             grad = local in op.params

@@ -35,7 +35,8 @@ class _EdgePlan:
 
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
-    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb")
+    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
+                 "bucket_bytes")
 
 
 class Context:
@@ -50,6 +51,7 @@ class Context:
             raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
         self.optimizer, self.sync = optimizer, sync
         self.optimizer_copies = optimizer_state_copies(optimizer)
+        self.comm_on_cores = bool(machine.spec.comm_on_cores)
         ops = self.ops = graph.ops
         n = len(ops)
         if n >= 1 << _AB:
@@ -205,6 +207,8 @@ class Context:
         r = self._route.get((a, b))
         if r is None:
             links = tuple(self.D + l for l in self.machine.route(a, b))
+            if self.comm_on_cores:  # the ends' cores move the message: both devices are busy
+                links = (a, *links, b)
             r = self._route[a, b] = (links[0], None) if len(links) == 1 else (-1, links)
         return r
 
@@ -319,6 +323,7 @@ class Context:
         cp.busy = np.zeros(self.R, np.int64)
         cp.sync_bytes = 0
         cp.ps_ps = 0  # parameter-server sync time added after the task graph (sync="ps")
+        cp.bucket_bytes = {}  # devices -> gradient bytes they all-reduce (comm_on_cores)
         upd_s: dict[int, float] = {}
         upd_syncs: dict[int, list[int]] = {}
         upd_bdep: set[int] = set()
@@ -340,10 +345,15 @@ class Context:
             if self.sync == "ps":
                 cp.ps_ps += self.ps_sync_ps(devices, nb)
                 dur = 1  # the sync task only orders the updates; its time comes after the graph
+            elif self.comm_on_cores:  # the bandwidth term; latency per bucket after the graph
+                dur = _ps(m.allreduce_time_s(devices, nb) - m.allreduce_latency_s(devices))
             else:
                 dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
             links = tuple(D + l for l in m.allreduce_links(devices))
+            if self.comm_on_cores:  # every member's cores reduce and move the buckets
+                links = tuple(sorted(devices)) + links
             r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
+            cp.bucket_bytes[devices] = nb
             group_sync[devices] = len(cp.syncs)
             ds = set(devices)
             users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]

@@ -72,7 +72,7 @@ def _make_inputs(op, part, dev, gen, graph=None) -> tuple[list, dict]:
             continue
         shape = region_shape(r)
         if dt.is_floating_point:
-            t = torch.randn(shape, generator=gen, device=dev).to(dt).requires_grad_(True)
+            t = torch.randn(shape, generator=gen, device=dev).to(dt).requires_grad_(op.input_needs_grad(i))
         elif dt == torch.bool:
             t = torch.randint(0, 2, shape, generator=gen, device=dev).to(torch.bool)
         else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import Callable
 
-from .cost import CostModel
+from .cost import GRAD_BUCKET_BYTES, CostModel
 from .memory import optimizer_state_copies
 from .taskgraph import (KEY_SHIFT, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, Context, TaskGraph,
                         decode_prio)
@@ -185,11 +185,28 @@ class Simulator:
         return events, rows
 
     # ---- results --------------------------------------------------------------------------
+    def _collective_latency_ps(self, tg: TaskGraph) -> int:
+        """Where communication runs on the cores that compute (``comm_on_cores``), each
+        collective's latency holds its members' cores, so it adds to the step: one per
+        gradient bucket the executor forms (per device group, ``GRAD_BUCKET_BYTES`` each)
+        and the all-reduce of the outputs (the loss) among all ranks."""
+        if self.sync != "ring":
+            return 0
+        m, per_group = self.machine, {}
+        for cp in tg.CPLAN:
+            for devices, nb in cp.bucket_bytes.items():
+                per_group[devices] = per_group.get(devices, 0) + nb
+        lat = sum(-(-nb // GRAD_BUCKET_BYTES) * m.allreduce_latency_s(devices) for devices, nb in per_group.items())
+        lat += m.allreduce_latency_s(range(self.ctx.D))
+        return int(round(lat * PS))
+
     def _result(self, tg: TaskGraph) -> SimResult:
         ctx = self.ctx
         D = ctx.D
         end = max(self._sched.free) if self._sched.free else 0
         end += int(tg.CLPS.sum())  # sync="ps": the parameter server's time, after the graph
+        if ctx.comm_on_cores:
+            end += self._collective_latency_ps(tg)
         mem = tg.memory_peak()
         busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
         busy[:D] += tg.UBUSY.sum(0)

@@ -299,3 +299,52 @@ def test_bad_strategies_are_refused_and_leave_the_simulator_usable(lenet):
     other = Strategy.data_parallel(lenet, Machine.preset("k80-cluster", devices=4))
     with pytest.raises(ValueError, match="another machine"):
         sim.simulate(other)
+
+
+def _on_cores(devices=4):
+    """A cpu-like machine whose messages and collectives run on the computing cores."""
+    import dataclasses
+    m = Machine.preset("p100-cluster", devices=devices)
+    link = dataclasses.replace(m.intra_node, latency_s=200e-6, allreduce_latency_s=150e-6,
+                               allreduce_bandwidth_Bps=1e9)
+    on = dataclasses.replace(m, spec=dataclasses.replace(m.spec, comm_on_cores=True), intra_node=link,
+                             inter_node=dataclasses.replace(m.inter_node, latency_s=300e-6))
+    return on, dataclasses.replace(on, spec=dataclasses.replace(m.spec, comm_on_cores=False))
+
+
+def test_comm_on_cores_holds_both_ends_and_adds_collective_latency(lenet):
+    """Where communication runs on the cores that compute, a transfer keeps its sender and
+    receiver busy for its duration (so the devices' busy time grows by exactly those
+    transfers and all-reduces), and each gradient bucket's and the loss all-reduce's latency adds to the step."""
+    from flexflow.cost import GRAD_BUCKET_BYTES
+    from flexflow.taskkeys import SYNC, TID_BITS, XB, XF, decode_prio
+    on, off = _on_cores(4)
+    assert on.fingerprint() != off.fingerprint() and Machine.from_json(on.to_json()) == on
+    s = Strategy(lenet, dict(Strategy.random(lenet, off, 7).items()))  # for either machine
+    son, soff = Simulator(lenet, on), Simulator(lenet, off)
+    r_on, r_off = son.simulate(s), soff.simulate(s)
+    tg = son._tg
+    extra = [0] * 4
+    for t in range(len(tg.KP)):
+        if tg.ALIVE[t] and decode_prio(tg.KP[t] >> TID_BITS)[1] in (XF, XB, SYNC):
+            for r in (tg.RESM[t] or ()):
+                if r < 4:
+                    extra[r] += tg.DUR[t]
+    assert sum(extra) > 0
+    for d in range(4):
+        assert r_on.device_busy[d] == pytest.approx(r_off.device_busy[d] + extra[d] / 1e12, rel=1e-9)
+    # data parallelism: the gradients of lenet fit one bucket; one latency for it, one for the loss
+    dp = Strategy(lenet, dict(Strategy.data_parallel(lenet, off).items()))
+    nbytes = lenet.param_bytes
+    assert nbytes < GRAD_BUCKET_BYTES
+    lat = on.allreduce_latency_s(range(4))
+    assert lat == pytest.approx(6 * 150e-6)
+    son.simulate(dp)
+    assert son._collective_latency_ps(son._tg) == round(2 * lat * 1e12)
+    assert son.simulate(dp).iteration_time >= 2 * lat
+
+
+def test_delta_equals_full_with_comm_on_cores(lenet, nmt_small):
+    on, _ = _on_cores(4)
+    _walk(lenet, on, 120, seed=8, validate_every=20)
+    _walk(nmt_small, on, 80, seed=9, optimizer="adam")
