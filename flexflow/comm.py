@@ -96,18 +96,12 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
                     dist.send(buf, 0)
             dist.barrier()
             out["p2p"].append([buf.numel() * 4, _median_time(pingpong, warmup, repeats) / 2])
-        for size in sizes:
+        chunk = _Chunk(torch)
+        for size in sizes:  # each all-reduce between compute, as the gradient buckets go in a step
             buf = torch.zeros(max(1, size // 4))
-
-            times = []  # each all-reduce right after a barrier (what it costs in a step)
-            for i in range(warmup + repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(buf)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            out["allreduce"].append([buf.numel() * 4, statistics.median(times)])
-        out["exchange"] = _exchange_cost(torch, dist, rank, nprocs, warmup, repeats)
+            t = _between_compute(dist, chunk, lambda: dist.all_reduce(buf), warmup, repeats)
+            out["allreduce"].append([buf.numel() * 4, max(t, 1e-9)])
+        out["exchange"] = _exchange_cost(torch, dist, rank, chunk, warmup, repeats)
         dist.barrier()
         out.update(_compute_figures(torch))  # all ranks at once, as in a real run
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
@@ -115,43 +109,79 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
         dist.destroy_process_group()
 
 
-def _exchange_cost(torch, dist, rank, nprocs, warmup, repeats, nbytes: int = 4096) -> float:
-    """Seconds one small message costs when it lands between compute, as in a training step:
-    ranks 0 and 1 each compute a small chunk (about a typical op), then swap one message
-    each way (receive posted before the compute, send after it, as the executor does).
-    With messages holding both ends' cores, a round lasts compute + 2 messages."""
-    a = torch.randn(64, 64)
+class _Chunk:
+    """A fixed piece of compute (some 100-200 us, about one op of a small model)."""
 
-    def compute():
-        y = a
-        for _ in range(8):
-            y = (y @ a) * 0.01
-    peer = 1 - rank if rank < 2 else None
-    x = torch.ones(max(1, nbytes // 4))
+    def __init__(self, torch):
+        self.a, self.b = torch.randn(96, 96), torch.randn(96, 96)
+        self.c = torch.empty(96, 96)
+        self.mm = torch.mm
 
-    def rounds(n):
-        for _ in range(n):
-            if peer is None:
-                compute()
-                continue
-            r = dist.irecv(torch.empty_like(x), peer)
-            compute()
-            s = dist.isend(x, peer)
-            r.wait()
-            s.wait()
-    rounds(max(1, warmup) * 5)
+    def __call__(self):
+        for _ in range(12):
+            self.mm(self.a, self.b, out=self.c)
+
+
+def _between_compute(dist, chunk, fn, warmup: int, repeats: int, rounds: int = 10) -> float:
+    """Seconds ``fn`` adds to a round of compute on every rank: the median over ``repeats``
+    of (time of ``rounds`` x (chunk; fn) - time of ``rounds`` x chunk) / rounds.  A message
+    or collective that lands between compute costs more here than back to back (the peer's
+    threads must be woken and scheduled on busy cores)."""
+    for _ in range(max(1, warmup) * 3):
+        chunk()
+        fn()
     samples = []
     for _ in range(max(3, repeats)):
         dist.barrier()
         t0 = time.perf_counter()
-        rounds(20)
-        t_round = (time.perf_counter() - t0) / 20
+        for _ in range(rounds):
+            chunk()
+            fn()
+        t_both = time.perf_counter() - t0
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(20):
-            compute()
-        t_compute = (time.perf_counter() - t0) / 20
-        samples.append(max(t_round - t_compute, 0.0) / 2)
+        for _ in range(rounds):
+            chunk()
+        samples.append(max(t_both - (time.perf_counter() - t0), 0.0) / rounds)
+    return statistics.median(samples)
+
+
+def _exchange_cost(torch, dist, rank, chunk, warmup, repeats, nbytes: int = 4096) -> float:
+    """Seconds one small message costs when it lands between compute, as in a training step:
+    ranks 0 and 1 each compute a chunk, then swap one message each way (receive posted
+    before the compute, send after it, as the executor does).  With messages holding both
+    ends' cores, a round lasts compute + 2 messages; other ranks only compute."""
+    peer = 1 - rank if rank < 2 else None
+    x, y = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+    pending = []
+
+    def swap():
+        if peer is None:
+            return
+        s = dist.isend(x, peer)
+        pending[0].wait()
+        s.wait()
+
+    def chunk_with_recv():  # the receive is posted before the compute
+        if peer is not None:
+            pending[:] = [dist.irecv(y, peer)]
+        chunk()
+    for _ in range(max(1, warmup) * 3):
+        chunk_with_recv()
+        swap()
+    samples = []
+    for _ in range(max(3, repeats)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            chunk_with_recv()
+            swap()
+        t_both = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            chunk()
+        samples.append(max(t_both - (time.perf_counter() - t0), 0.0) / 10 / 2)
     return statistics.median(samples)
 
 

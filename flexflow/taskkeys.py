@@ -14,8 +14,10 @@ __all__ = ["PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
 SYNC_MODELS = ("ring", "ps")
 
 PS = 10**12  # picoseconds per second
-F, B, XF, XB, SYNC, UPD = range(6)
-KIND_NAMES = ("fwd", "bwd", "xfer", "xfer-grad", "sync", "update")
+# Kinds in tie-breaking order: at equal ready time a transfer goes before compute of the same
+# op, as the executor posts a send as soon as its producer is computed (before its next op)
+XF, XB, F, B, SYNC, UPD = range(6)
+KIND_NAMES = ("xfer", "xfer-grad", "fwd", "bwd", "sync", "update")
 _JB, _PB, _AB = 10, 10, 16  # bits: input index, partition index, op/param/cluster index
 PRIO_BITS = _AB + 3 + _JB + 2 * _PB
 TID_BITS = 24
@@ -23,7 +25,14 @@ KEY_SHIFT = PRIO_BITS + TID_BITS  # heap key = ready << KEY_SHIFT | prio << TID_
 TID_MASK = (1 << TID_BITS) - 1
 
 
+_AMAX = (1 << _AB) - 1
+
+
 def _prio(a: int, kind: int, j: int = 0, k: int = 0, q: int = 0) -> int:
+    # the backward meets ops in reverse order (as autograd runs it): at equal ready time a
+    # later op's backward and gradient transfers go first
+    if kind == B or kind == XB:
+        a = _AMAX - a
     return ((((a << 3 | kind) << _JB | j) << _PB | k) << _PB) | q
 
 
@@ -35,7 +44,8 @@ def decode_prio(p: int) -> tuple[int, int, int, int, int]:
     p >>= 2 * _PB
     j = p & ((1 << _JB) - 1)
     p >>= _JB
-    return p >> 3, p & 7, j, k, q
+    a, kind = p >> 3, p & 7
+    return (_AMAX - a if kind == B or kind == XB else a), kind, j, k, q
 
 
 def _ps(seconds: float) -> int:

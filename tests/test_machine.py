@@ -207,3 +207,42 @@ def test_calibration_feeds_cpu_preset():
         2 * (fig["allreduce_latency_s"] + 1e6 / 2 / fig["allreduce_bandwidth_Bps"]))
     assert Machine.from_json(m.to_json()) == m  # the new keys round-trip
 
+
+
+def test_corrupt_machine_file_is_ignored(tmp_path):
+    path = cpu_machine_file()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="machine-cpu.json"):
+        m = Machine.preset("cpu")
+    assert m.spec.kind == "cpu"
+
+
+def test_device_spec_validation():
+    with pytest.raises(ValueError, match="float32"):
+        DeviceSpec("x", {"bfloat16": 1.0}, 1.0, 1, 0.0)
+    assert LinkSpec(1.0, 0.0, "k") == LinkSpec(1.0, 0.0, "k")
+    assert hash(Machine.preset("h200-node")) == hash(Machine.preset("h200-node"))
+    assert GPU_SPECS["K80"].flops("float16") == 4.4e12
+
+
+def test_detect_calibrates_a_cpu_host_once(monkeypatch):
+    """Without a cached file, detect() measures this host and caches it; later calls
+    (and the cpu preset) read the file."""
+    monkeypatch.setattr("flexflow.machine._detect_gpus", lambda: None)
+    monkeypatch.delenv("FLEXFLOW_NO_CALIBRATE", raising=False)
+    assert not cpu_machine_file().exists()
+    m = Machine.detect()
+    path = cpu_machine_file()
+    assert path.exists() and m.spec.kind == "cpu"
+    stamp = path.stat().st_mtime_ns
+    again = Machine.detect()
+    assert path.stat().st_mtime_ns == stamp  # not measured twice
+    assert again.fingerprint() == m.fingerprint()
+    assert Machine.preset("cpu").intra_node == Machine.load(path).intra_node  # the measured link
+    # a file from an older calibration (no cost of a message between compute) is measured again
+    d = json.loads(path.read_text())
+    del d["measured"]["exchange_s"]
+    path.write_text(json.dumps(d))
+    Machine.detect()
+    assert "exchange_s" in json.loads(path.read_text())["measured"]
