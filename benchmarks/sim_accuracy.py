@@ -179,17 +179,22 @@ def main(argv=None) -> int:
               f"{summary['analytic']['within_30pct']} of {summary['cases']} within 30%; Kendall's tau "
               + ", ".join(f"{k} {v:.2f}" for k, v in a_taus.items()) + ".", "",
               "![predicted against measured](sim_accuracy.png)", "",
+              "## What the simulator models on this host", "",
+              "- gloo's threads share the 2 cores that compute (`comm_on_cores` in the calibrated machine): a "
+              "message holds the devices at both ends for its duration, and so does a gradient all-reduce; "
+              "the latency of each gradient bucket and of the loss all-reduce adds to the step.",
+              "- Message and all-reduce costs are calibrated between compute (a message costs "
+              f"{figures.get('exchange_s', 0) * 1e6:.0f} us there, {figures['latency_s'] * 1e6:.0f} us in an idle "
+              "ping-pong): a peer's threads must be woken and scheduled on busy cores.",
+              "- Ties follow the executor's order: a send before the next compute of the sender, the "
+              "backward in reverse op order; profiles and the analytic backward leave out the gradient of "
+              "inputs that no parameter feeds (the image batch into the first layer).",
+              "",
               "## What limits the accuracy here", "",
-              "- The executor now runs dataflow programs (receives posted ahead, sends as soon as the "
-              "producer is computed, the loss reduced during the backward), as the simulator assumes; what "
-              "remains is cost the simulator does not see: the executor's per-op Python dispatch (tens of "
-              "microseconds per op, large for the recurrent models' many small ops), and gloo's threads "
-              "competing with compute for the host's 2 cores, so transfers do not overlap compute as "
-              "freely as the simulated links do.",
-              "- Op times are profiled one op at a time on warm caches; inside a training step of two "
-              "processes on two shared cores they run slower.",
-              "- The calibrated gloo latency and bandwidth vary between runs by several times with load "
-              "(see the calibration in the JSON).", ""]
+              "- Op times are profiled one op at a time on warm caches; inside a training step they run "
+              "slower, so predictions sit mostly below the measurement.",
+              "- The host's message and all-reduce costs vary between calibrations by up to 1.5x (see the "
+              "calibration in the JSON); each run of this script calibrates first.", ""]
     with open(os.path.join(RESULTS, "sim_accuracy.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[-6:]))

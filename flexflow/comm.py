@@ -223,7 +223,7 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     return {
         "nprocs": nprocs,
         "cores": _cpu_cores(),
-        "exchange_s": max(ranks[0]["exchange"], ranks[1]["exchange"]),
+        "exchange_s": statistics.mean([ranks[0]["exchange"], ranks[1]["exchange"]]),
         "latency_s": lat, "bandwidth_Bps": bw,
         "allreduce_latency_s": ar_lat / steps, "allreduce_bandwidth_Bps": ar_inv * steps / nprocs,
         "peak_flops": {d: statistics.median(r["peak_flops"][d] for r in ranks) for d in sorted(dtypes)},

@@ -177,7 +177,7 @@ def _calibrate_once() -> None:
               f"cached in {path}", file=sys.stderr, flush=True)
         try:
             from .profile import calibrate_comm
-            calibrate_comm(nprocs=2, path=path, sizes_bytes=(4096, 256 * 1024, 4 * 2**20), repeats=3, warmup=1)
+            calibrate_comm(nprocs=2, path=path, sizes_bytes=(4096, 256 * 1024, 4 * 2**20), repeats=5, warmup=1)
         except Exception as e:  # noqa: BLE001 - an uncalibrated machine still works
             warnings.warn(f"host calibration failed ({type(e).__name__}: {e}); using the cpu preset's defaults")
 
