@@ -462,9 +462,14 @@ class Machine:
                  f"  device {s.kind}: {flops}; memory {s.memory_bytes / GiB:.1f} GiB at {_si(s.mem_bw_Bps)}B/s; "
                  f"launch {s.launch_overhead_s * 1e6:g} us; backend {s.backend}",
                  f"  intra-node {a.kind}: {_si(a.bandwidth_Bps)}B/s per direction per pair, {a.latency_s * 1e6:g} us"]
+        if a.allreduce_bandwidth_Bps is not None:
+            lines.append(f"  all-reduce per ring step: {_si(a.allreduce_bandwidth_Bps)}B/s, "
+                         f"{(a.allreduce_latency_s or 0.0) * 1e6:g} us")
         if e is not None:
             lines.append(f"  inter-node {e.kind}: {_si(e.bandwidth_Bps)}B/s per node NIC direction, "
                          f"{e.latency_s * 1e6:g} us")
+        if s.comm_on_cores:
+            lines.append("  communication runs on the computing cores: a message or all-reduce holds its devices")
         return "\n".join(lines)
 
 
