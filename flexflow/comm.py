@@ -122,21 +122,25 @@ class _Chunk:
             self.mm(self.a, self.b, out=self.c)
 
 
-def _between_compute(dist, chunk, fn, warmup: int, repeats: int, rounds: int = 10) -> float:
+def _between_compute(dist, chunk, fn, warmup: int, repeats: int, rounds: int = 10, before=None) -> float:
     """Seconds ``fn`` adds to a round of compute on every rank: the median over ``repeats``
-    of (time of ``rounds`` x (chunk; fn) - time of ``rounds`` x chunk) / rounds.  A message
-    or collective that lands between compute costs more here than back to back (the peer's
-    threads must be woken and scheduled on busy cores)."""
-    for _ in range(max(1, warmup) * 3):
+    of (time of ``rounds`` x (before; chunk; fn) - time of ``rounds`` x chunk) / rounds.  A
+    message or collective that lands between compute costs more here than back to back (the
+    peer's threads must be woken and scheduled on busy cores).  ``before``: what is posted
+    ahead of the compute (a receive)."""
+    def round_():
+        if before is not None:
+            before()
         chunk()
         fn()
+    for _ in range(max(1, warmup) * 3):
+        round_()
     samples = []
     for _ in range(max(3, repeats)):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(rounds):
-            chunk()
-            fn()
+            round_()
         t_both = time.perf_counter() - t0
         dist.barrier()
         t0 = time.perf_counter()
@@ -151,38 +155,20 @@ def _exchange_cost(torch, dist, rank, chunk, warmup, repeats, nbytes: int = 4096
     ranks 0 and 1 each compute a chunk, then swap one message each way (receive posted
     before the compute, send after it, as the executor does).  With messages holding both
     ends' cores, a round lasts compute + 2 messages; other ranks only compute."""
-    peer = 1 - rank if rank < 2 else None
+    if rank >= 2:
+        return _between_compute(dist, chunk, lambda: None, warmup, repeats)
+    peer = 1 - rank
     x, y = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
     pending = []
 
+    def post_recv():
+        pending[:] = [dist.irecv(y, peer)]
+
     def swap():
-        if peer is None:
-            return
         s = dist.isend(x, peer)
         pending[0].wait()
         s.wait()
-
-    def chunk_with_recv():  # the receive is posted before the compute
-        if peer is not None:
-            pending[:] = [dist.irecv(y, peer)]
-        chunk()
-    for _ in range(max(1, warmup) * 3):
-        chunk_with_recv()
-        swap()
-    samples = []
-    for _ in range(max(3, repeats)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            chunk_with_recv()
-            swap()
-        t_both = time.perf_counter() - t0
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            chunk()
-        samples.append(max(t_both - (time.perf_counter() - t0), 0.0) / 10 / 2)
-    return statistics.median(samples)
+    return _between_compute(dist, chunk, swap, warmup, repeats, before=post_recv) / 2
 
 
 def _fit(samples) -> tuple[float, float]:

@@ -81,8 +81,8 @@ class Link:
     bandwidth_Bps: float
     latency_s: float
     kind: str
-    ar_bandwidth_Bps: float = 0.0  # per ring step of an all-reduce (LinkSpec.allreduce_*)
-    ar_latency_s: float = 0.0
+    ar_bandwidth_Bps: float  # per ring step of an all-reduce (LinkSpec.allreduce_*, else the above)
+    ar_latency_s: float
 
 
 # GPUs known by name. memory_bytes is the nominal size; detect() uses the measured one.

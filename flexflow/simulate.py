@@ -113,6 +113,7 @@ class Simulator:
             ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer, sync)
         self.ctx = ctx
         self.max_delta_fraction = max_delta_fraction
+        self._loss_latency_s = machine.allreduce_latency_s(range(ctx.D))  # the outputs' all-reduce
         self._tg: TaskGraph | None = None
         self._sched: _Schedule | None = None
         self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0}
@@ -197,8 +198,7 @@ class Simulator:
             for devices, nb in cp.bucket_bytes.items():
                 per_group[devices] = per_group.get(devices, 0) + nb
         lat = sum(-(-nb // GRAD_BUCKET_BYTES) * m.allreduce_latency_s(devices) for devices, nb in per_group.items())
-        lat += m.allreduce_latency_s(range(self.ctx.D))
-        return int(round(lat * PS))
+        return int(round((lat + self._loss_latency_s) * PS))
 
     def _result(self, tg: TaskGraph) -> SimResult:
         ctx = self.ctx
