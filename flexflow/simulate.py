@@ -22,17 +22,15 @@ their forward to their last use in the backward, communication buffers (see ``me
 """
 from __future__ import annotations
 
-import bisect
 import gc
 import json
 from dataclasses import dataclass, field
-from heapq import heappop, heappush
 from typing import Callable
 
 from .cost import GRAD_BUCKET_BYTES, CostModel
 from .memory import optimizer_state_copies
-from .taskgraph import (KEY_SHIFT, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, Context, TaskGraph,
-                        decode_prio)
+from .schedcore import TaskArrays
+from .taskgraph import KIND_NAMES, PS, SYNC_MODELS, TID_BITS, Context, TaskGraph, decode_prio
 
 __all__ = ["Simulator", "SimResult"]
 
@@ -170,9 +168,9 @@ class Simulator:
         sched = _Schedule(self.ctx.R)
         sched.run_full(tg)
         ctx, ops, D = self.ctx, self.ctx.ops, self.ctx.D
-        FIN, DUR = tg.FIN, tg.DUR
+        FIN, DUR = sched.arrays.FIN.tolist(), tg.DUR
         events = []
-        for r, tids in enumerate(sched.ht):
+        for r, tids in enumerate(sched.per_resource(tg)):
             for t in tids:
                 a, kind, j, k, q = decode_prio(tg.KP[t] >> TID_BITS)
                 if kind <= 3:
@@ -203,7 +201,8 @@ class Simulator:
     def _result(self, tg: TaskGraph) -> SimResult:
         ctx = self.ctx
         D = ctx.D
-        end = max(self._sched.free) if self._sched.free else 0
+        free = self._sched.free
+        end = int(free.max()) if len(free) else 0
         end += int(tg.CLPS.sum())  # sync="ps": the parameter server's time, after the graph
         if ctx.comm_on_cores:
             end += self._collective_latency_ps(tg)
@@ -241,112 +240,43 @@ class Simulator:
 
 
 class _Schedule:
-    """The timeline of the last run: per resource, the tasks it ran in order (their finish
-    times are in the task graph's FIN), and when each resource is free."""
+    """The timeline of the last run, in the compiled scheduler's arrays
+    (:class:`flexflow.schedcore.TaskArrays`): each task's finish time, the order tasks were
+    dequeued, and when each resource is free."""
 
     def __init__(self, R: int):
-        self.free = [0] * R
-        self.ht: list[list[int]] = [[] for _ in range(R)]
+        self.arrays = TaskArrays(R)
+
+    @property
+    def free(self):
+        return self.arrays.free
 
     def run_full(self, tg: TaskGraph) -> int:
-        PRED, KP, ALIVE = tg.PRED, tg.KP, tg.ALIVE
-        n = len(PRED)
-        tg.CNT[:] = map(len, PRED)
-        tg.READY[:] = [0] * n
-        heap = [KP[t] for t, p in enumerate(PRED) if not p and ALIVE[t]]
-        heap.sort()
-        self._loop(tg, heap)
+        a = self.arrays
+        tg.take_touched()
+        a.load(tg)
+        a.run_full()
         tg.release()
         return tg.num_tasks()
 
     def run_delta(self, tg: TaskGraph, strategy, groups) -> int:
         """Patch ``tg`` to ``strategy`` and re-simulate from the earliest affected time."""
-        READY, FIN, PRED, ALIVE, KP = tg.READY, tg.FIN, tg.PRED, tg.ALIVE, tg.KP
         dead, dirty, born = tg.patch(strategy, groups)
-        # t*: nothing the old run dequeued with ready time < t* can differ
-        tstar = min([READY[t] for t in dead] + [READY[t] for t in dirty], default=None)
-        changed = set(dirty)
-        changed.update(born)
-        for t in changed:
-            lb = 0
-            for p in PRED[t]:
-                if p in changed:
-                    break
-                f = FIN[p]
-                if f > lb:
-                    lb = f
-            else:
-                if tstar is None or lb < tstar:
-                    tstar = lb
-        kstar = (tstar or 0) << KEY_SHIFT
-        key = lambda t: READY[t] << KEY_SHIFT | KP[t]
-        free, ht = self.free, self.ht
-        suffix = set()
-        for r, h in enumerate(ht):
-            i = bisect.bisect_left(h, kstar, key=key)
-            if i < len(h):
-                suffix.update(h[i:])
-                del h[i:]
-            free[r] = FIN[h[i - 1]] if i else 0
-        suffix = {t for t in suffix if ALIVE[t]}
-        suffix.update(born)
-        # re-count what each remaining task waits for
-        CNT = tg.CNT
-        heap = []
-        for t in suffix:
-            n = 0
-            rdy = 0
-            for p in PRED[t]:
-                if p in suffix:
-                    n += 1
-                else:
-                    f = FIN[p]
-                    if f > rdy:
-                        rdy = f
-            CNT[t] = n
-            READY[t] = rdy
-            if not n:
-                heap.append(rdy << KEY_SHIFT | KP[t])
-        heap.sort()
-        self._loop(tg, heap)
+        a = self.arrays
+        a.update(tg, *tg.take_touched())
+        n = a.run_delta(dead, dirty, born)
         tg.release()
-        return len(suffix)
+        return n
 
-    def _loop(self, tg: TaskGraph, heap: list) -> None:
-        """Dequeue by (ready time, priority) until done."""
-        DUR, RES1, RESM, SUCC = tg.DUR, tg.RES1, tg.RESM, tg.SUCC
-        READY, FIN, CNT, KP = tg.READY, tg.FIN, tg.CNT, tg.KP
-        free = self.free
-        hta = [h.append for h in self.ht]
-        shift, mask = KEY_SHIFT, TID_MASK
-        pop, push = heappop, heappush
-        while heap:
-            key = pop(heap)
-            t = key & mask
-            s = key >> shift
+    def per_resource(self, tg: TaskGraph) -> list[list[int]]:
+        """Per resource, the tasks it ran in order."""
+        out = [[] for _ in range(self.arrays.R)]
+        RES1, RESM = tg.RES1, tg.RESM
+        for t in self.arrays.log().tolist():
             r = RES1[t]
             if r >= 0:
-                f = free[r]
-                if f > s:
-                    s = f
-                e = s + DUR[t]
-                free[r] = e
-                hta[r](t)
+                out[r].append(t)
             else:
-                rs = RESM[t]
-                for r in rs:
-                    f = free[r]
-                    if f > s:
-                        s = f
-                e = s + DUR[t]
-                for r in rs:
-                    free[r] = e
-                    hta[r](t)
-            FIN[t] = e
-            for c in SUCC[t]:
-                if READY[c] < e:
-                    READY[c] = e
-                n = CNT[c] - 1
-                CNT[c] = n
-                if not n:
-                    push(heap, READY[c] << shift | KP[c])
+                for r in RESM[t]:
+                    out[r].append(t)
+        return out

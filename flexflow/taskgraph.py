@@ -71,9 +71,7 @@ class TaskGraph(_Patching):
         self.SUCC: list = []
         self.PRED: list = []
         self.ALIVE: list[bool] = []
-        self.READY: list[int] = []
-        self.FIN: list[int] = []
-        self.CNT: list[int] = []
+        self._touched = (set(), set(), set())  # see take_touched (the scheduler mirrors them)
         self._free: list[int] = []
         self._born: list[int] = []
         self._dead: list[int] = []
@@ -135,7 +133,6 @@ class TaskGraph(_Patching):
         self.KP = [p << TID_BITS | t for t, p in enumerate(self._bulk)]
         self._bulk = None
         self.ALIVE = [True] * nt
-        self.READY, self.FIN, self.CNT = [0] * nt, [0] * nt, [0] * nt
         PRED = self.PRED
         for h in heads:
             for t, p in zip(self.FT[h], self._f_pred(h)):

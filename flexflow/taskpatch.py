@@ -49,11 +49,9 @@ class _Patching:
             self.SUCC += [()] * n
             self.PRED += [()] * n
             self.ALIVE += [True] * n
-            zeros = [0] * n
-            self.READY += zeros
-            self.FIN += zeros
-            self.CNT += zeros
         self._born += tids
+        for x in self._touched:
+            x.update(tids)
         return tids
 
     def _kill(self, t: int) -> None:
@@ -65,6 +63,8 @@ class _Patching:
             d[t] = d.get(t, 0) + 1
         self.PRED[t] = self.SUCC[t] = ()
         self._dead.append(t)
+        for x in self._touched:
+            x.add(t)
 
     def _set_pred(self, t: int, new) -> bool:
         """Replace t's predecessors (successors follow in :meth:`_flush`); True if changed.
@@ -75,6 +75,7 @@ class _Patching:
             return False
         drop, add = self._drop, self._add
         self.PRED[t] = new
+        self._touched[1].add(t)
         if not old:
             for p in new:
                 add.setdefault(p, []).append(t)
@@ -106,8 +107,16 @@ class _Patching:
                 SUCC[p] = tuple(out)
         for p, ts in add.items():
             SUCC[p] += tuple(ts)
+        self._touched[2].update(drop)
+        self._touched[2].update(add)
         drop.clear()
         add.clear()
+
+    def take_touched(self) -> tuple[set, set, set]:
+        """What changed since the last call, for the scheduler's arrays: (ids allocated or
+        killed, ids whose predecessors changed, ids whose successors changed)."""
+        out, self._touched = self._touched, (set(), set(), set())
+        return out
 
     def release(self) -> None:
         """After a schedule no longer refers to the dead tasks: reuse their ids."""

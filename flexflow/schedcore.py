@@ -1,0 +1,386 @@
+"""The scheduler's inner loops, compiled: list scheduling over flat integer arrays.
+
+The task graph (``taskgraph.py``) keeps its tasks in Python lists, which the delta patch
+edits; :class:`TaskArrays` mirrors them in numpy arrays (successors, predecessors and
+multi-resource routes as segments of one buffer each) and is brought up to date with only
+the tasks a patch touched.  The two kernels run on those arrays:
+
+- :func:`run_full`: every live task, from time 0;
+- :func:`run_delta`: from the restart time t* of a patch (see ``simulate.py``), reusing the
+  prefix of the previous run's dequeue log.
+
+Both dequeue tasks by (ready time, priority, task id) from a binary heap -- the order of the
+interpreted scheduler they replace, so results are identical bit for bit -- and append each
+dequeued task to the log, with the ready time it had.  Ready times in the log never
+decrease (a task becomes ready no earlier than the start of the task that released it), so
+the prefix a delta run keeps is found by binary search.
+
+The kernels are compiled with numba when it is installed (``cache=True``: compiled once per
+host, then loaded); ``FLEXFLOW_NO_JIT=1`` runs the same functions interpreted, which gives
+the same results far more slowly.
+"""
+from __future__ import annotations
+
+import os
+from itertools import chain
+
+import numpy as np
+
+from .taskkeys import TID_BITS
+
+__all__ = ["TaskArrays", "JIT"]
+
+try:  # pragma: no cover - depends on the environment
+    if os.environ.get("FLEXFLOW_NO_JIT"):
+        raise ImportError("disabled by FLEXFLOW_NO_JIT")
+    import numba
+
+    _jit = numba.njit(cache=True, nogil=True)
+    JIT = True
+except ImportError:  # pragma: no cover
+    def _jit(f):
+        return f
+    JIT = False
+
+_I8 = np.int64
+
+
+# ---- heap of (ready, priority, task id), kept in three parallel arrays --------------------
+@_jit
+def _push(HR, HP, HT, n, r, p, t):
+    i = n
+    while i > 0:
+        j = (i - 1) >> 1
+        rj = HR[j]
+        if r < rj or (r == rj and (p < HP[j] or (p == HP[j] and t < HT[j]))):
+            HR[i], HP[i], HT[i] = rj, HP[j], HT[j]
+            i = j
+        else:
+            break
+    HR[i], HP[i], HT[i] = r, p, t
+    return n + 1
+
+
+@_jit
+def _pop(HR, HP, HT, n):
+    top = HT[0]
+    n -= 1
+    if n > 0:
+        r, p, t = HR[n], HP[n], HT[n]
+        i = 0
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            d = c + 1
+            if d < n:
+                rc, rd = HR[c], HR[d]
+                if rd < rc or (rd == rc and (HP[d] < HP[c] or (HP[d] == HP[c] and HT[d] < HT[c]))):
+                    c = d
+            rc = HR[c]
+            if rc < r or (rc == r and (HP[c] < p or (HP[c] == p and HT[c] < t))):
+                HR[i], HP[i], HT[i] = rc, HP[c], HT[c]
+                i = c
+            else:
+                break
+        HR[i], HP[i], HT[i] = r, p, t
+    return top, n
+
+
+# columns of the hot table (read by the scheduling loop): one 64-byte row per task
+READY, FIN, CNT, DUR, RES1, PRIO, SOFF, SLEN = range(8)
+# columns of the cold table (the delta restart, the rare multi-resource task)
+POFF, PLEN, ROFF, RLEN, ALIVE, MARK = range(6)
+
+
+@_jit
+def _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, nlog):
+    """Dequeue until the heap is empty; returns the new log length."""
+    HR, HP = heap[0], heap[1]
+    HT = heap[2]
+    while hn > 0:
+        t, hn = _pop(HR, HP, HT, hn)
+        row = H[t]
+        rdy = row[0]
+        s = rdy
+        r = row[4]
+        if r >= 0:
+            f = free[r]
+            if f > s:
+                s = f
+            e = s + row[3]
+            free[r] = e
+        else:
+            o = C[t, 2]
+            m = C[t, 3]
+            for i in range(o, o + m):
+                f = free[RBUF[i]]
+                if f > s:
+                    s = f
+            e = s + row[3]
+            for i in range(o, o + m):
+                free[RBUF[i]] = e
+        row[1] = e
+        LOG[nlog] = t
+        LOGR[nlog] = rdy
+        nlog += 1
+        o = row[6]
+        for i in range(o, o + row[7]):
+            c = SBUF[i]
+            rc = H[c]
+            if rc[0] < e:
+                rc[0] = e
+            k = rc[2] - 1
+            rc[2] = k
+            if k == 0:
+                hn = _push(HR, HP, HT, hn, rc[0], rc[5], c)
+    return nlog
+
+
+@_jit
+def _run_full(n, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR, heap):
+    for r in range(free.shape[0]):
+        free[r] = 0
+    hn = 0
+    for t in range(n):
+        H[t, 0] = 0
+        H[t, 2] = C[t, 1]
+    for t in range(n):
+        if C[t, 4] and C[t, 1] == 0:
+            hn = _push(heap[0], heap[1], heap[2], hn, 0, H[t, 5], t)
+    return _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, 0)
+
+
+@_jit
+def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR, heap, SUF, stamp):
+    """Re-simulate from t* (``simulate.py``); returns (new log length, tasks re-simulated)."""
+    big = np.int64(1) << 62
+    tstar = big
+    for t in dead:
+        if H[t, 0] < tstar:
+            tstar = H[t, 0]
+    for t in dirty:
+        if H[t, 0] < tstar:
+            tstar = H[t, 0]
+    # a changed task whose predecessors are all unchanged can become ready at their latest finish
+    for t in dirty:
+        C[t, 5] = stamp
+    for t in born:
+        C[t, 5] = stamp
+    for grp in range(2):
+        ts = dirty if grp == 0 else born
+        for t in ts:
+            lb = 0
+            hit = False
+            o = C[t, 0]
+            for i in range(o, o + C[t, 1]):
+                p = PBUF[i]
+                if C[p, 5] == stamp:
+                    hit = True
+                    break
+                if H[p, 1] > lb:
+                    lb = H[p, 1]
+            if not hit and lb < tstar:
+                tstar = lb
+    if tstar == big:
+        tstar = 0
+    # keep the log's prefix with ready time < t*
+    lo, hi = 0, nlog
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if LOGR[mid] < tstar:
+            lo = mid + 1
+        else:
+            hi = mid
+    keep = lo
+    for r in range(free.shape[0]):
+        free[r] = 0
+    for i in range(keep):
+        t = LOG[i]
+        r = H[t, 4]
+        if r >= 0:
+            free[r] = H[t, 1]
+        else:
+            o = C[t, 2]
+            for j in range(o, o + C[t, 3]):
+                free[RBUF[j]] = H[t, 1]
+    # the suffix: live tasks of the old log after the prefix, and the born ones
+    stamp += 1
+    ns = 0
+    for i in range(keep, nlog):
+        t = LOG[i]
+        if C[t, 4]:
+            C[t, 5] = stamp
+            SUF[ns] = t
+            ns += 1
+    for t in born:
+        if C[t, 5] != stamp:
+            C[t, 5] = stamp
+            SUF[ns] = t
+            ns += 1
+    hn = 0
+    for x in range(ns):
+        t = SUF[x]
+        k = 0
+        rdy = 0
+        o = C[t, 0]
+        for i in range(o, o + C[t, 1]):
+            p = PBUF[i]
+            if C[p, 5] == stamp:
+                k += 1
+            elif H[p, 1] > rdy:
+                rdy = H[p, 1]
+        H[t, 2] = k
+        H[t, 0] = rdy
+        if k == 0:
+            hn = _push(heap[0], heap[1], heap[2], hn, rdy, H[t, 5], t)
+    nlog = _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, keep)
+    return nlog, ns
+
+
+# ---- the arrays ------------------------------------------------------------------------------
+def _aligned(rows: int, cols: int) -> np.ndarray:
+    """A zeroed int64 (rows, cols) table whose rows start on 64-byte boundaries."""
+    raw = np.zeros(rows * cols + 8, _I8)
+    skip = (-raw.ctypes.data % 64) // 8
+    return raw[skip:skip + rows * cols].reshape(rows, cols)
+
+
+class _Segments:
+    """Variable-length integer rows (one per task) in one buffer; each task's (offset,
+    length) are two columns of a task table.  Rewritten rows are appended; the live rows are
+    gathered to the front when dead space dominates."""
+
+    def __init__(self, offcol: int, lencol: int):
+        self.oc, self.lc = offcol, lencol
+        self.buf = np.zeros(1024, _I8)
+        self.used = 0
+        self.live = 0
+
+    def set_all(self, table: np.ndarray, rows: list) -> None:
+        n = len(rows)
+        lens = np.fromiter(map(len, rows), _I8, n)
+        total = int(lens.sum())
+        self.buf = np.zeros(max(2 * total, 1024), _I8)
+        self.buf[:total] = np.fromiter(chain.from_iterable(rows), _I8, total)
+        table[:n, self.oc] = np.cumsum(lens) - lens
+        table[:n, self.lc] = lens
+        table[n:, self.lc] = 0
+        self.used = self.live = total
+
+    def _compact(self, table: np.ndarray, n: int, room: int) -> None:
+        offs, lens = table[:n, self.oc], table[:n, self.lc]
+        live = int(lens.sum())
+        starts = np.cumsum(lens) - lens
+        idx = np.arange(live, dtype=_I8) + np.repeat(offs - starts, lens)
+        buf = np.zeros(max(2 * (live + room), 1024), _I8)
+        buf[:live] = self.buf[idx]
+        self.buf = buf
+        table[:n, self.oc] = starts
+        self.used = self.live = live
+
+    def set_rows(self, table: np.ndarray, n: int, ids: np.ndarray, rows: list) -> None:
+        lens = np.fromiter(map(len, rows), _I8, len(rows))
+        total = int(lens.sum())
+        if self.used + total > len(self.buf):
+            table[ids, self.lc] = 0  # (their old rows are dropped by the compaction)
+            self._compact(table, n, total)
+        self.buf[self.used:self.used + total] = np.fromiter(chain.from_iterable(rows), _I8, total)
+        table[ids, self.oc] = self.used + np.cumsum(lens) - lens
+        table[ids, self.lc] = lens
+        self.used += total
+
+
+class TaskArrays:
+    """numpy mirror of a task graph's lists, plus the schedule state the kernels fill: each
+    task's ready and finish time, the dequeue log, and when each resource is next free."""
+
+    def __init__(self, R: int):
+        self.R = R
+        self.cap = 0
+        self.n = 0
+        self.H = self.C = self.LOG = self.LOGR = self.HEAP = self.SUF = None
+        self.succ, self.pred, self.res = _Segments(SOFF, SLEN), _Segments(POFF, PLEN), _Segments(ROFF, RLEN)
+        self.free = np.zeros(R, _I8)
+        self.nlog = 0
+        self.stamp = 0
+
+    @property
+    def FIN(self) -> np.ndarray:
+        return self.H[:self.n, FIN]
+
+    def _grow(self, n: int) -> None:
+        if n <= self.cap:
+            return
+        cap = max(n, int(self.cap * 1.5) + 64)
+        H, C = _aligned(cap, 8), _aligned(cap, 8)
+        if self.H is not None:
+            H[:self.cap] = self.H
+            C[:self.cap] = self.C
+        self.H, self.C = H, C
+        LOG, LOGR = np.zeros(cap, _I8), np.zeros(cap, _I8)
+        if self.LOG is not None:
+            LOG[:self.cap] = self.LOG
+            LOGR[:self.cap] = self.LOGR
+        self.LOG, self.LOGR = LOG, LOGR
+        self.HEAP = np.zeros((3, cap), _I8)
+        self.SUF = np.zeros(cap, _I8)
+        self.cap = cap
+
+    def load(self, tg) -> None:
+        """Mirror every task of ``tg``."""
+        n = self.n = len(tg.DUR)
+        self._grow(n)
+        H, C = self.H, self.C
+        H[:n, DUR] = tg.DUR
+        H[:n, RES1] = tg.RES1
+        H[:n, PRIO] = [k >> TID_BITS for k in tg.KP]
+        C[:n, ALIVE] = tg.ALIVE
+        self.succ.set_all(H, tg.SUCC)
+        self.pred.set_all(C, tg.PRED)
+        self.res.set_all(C, [r or () for r in tg.RESM])
+
+    def update(self, tg, tasks, preds, succs) -> None:
+        """Mirror the tasks a patch allocated or killed (every column), and those whose
+        predecessor or successor lists it changed."""
+        n = self.n = len(tg.DUR)
+        self._grow(n)
+        H, C = self.H, self.C
+        arr = lambda xs: np.fromiter(xs, _I8, len(xs))
+        if tasks:
+            ids = arr(tasks)
+            ts = ids.tolist()
+            DUR_, RES1_, KP, ALIVE_, RESM = tg.DUR, tg.RES1, tg.KP, tg.ALIVE, tg.RESM
+            H[ids, DUR] = [DUR_[t] for t in ts]
+            H[ids, RES1] = [RES1_[t] for t in ts]
+            H[ids, PRIO] = [KP[t] >> TID_BITS for t in ts]
+            C[ids, ALIVE] = [ALIVE_[t] for t in ts]
+            self.res.set_rows(C, n, ids, [RESM[t] or () for t in ts])
+        if preds:
+            ids = arr(preds)
+            PRED = tg.PRED
+            self.pred.set_rows(C, n, ids, [PRED[t] for t in ids.tolist()])
+        if succs:
+            ids = arr(succs)
+            SUCC = tg.SUCC
+            self.succ.set_rows(H, n, ids, [SUCC[t] for t in ids.tolist()])
+
+    def run_full(self) -> int:
+        self.nlog = int(_run_full(self.n, self.H, self.C, self.res.buf, self.succ.buf, self.pred.buf, self.free,
+                                  self.LOG, self.LOGR, self.HEAP))
+        return self.nlog
+
+    def run_delta(self, dead, dirty, born) -> int:
+        """Re-simulate after a patch; returns how many tasks were scheduled again."""
+        arr = lambda xs: np.fromiter(xs, _I8, len(xs))
+        self.stamp += 2
+        nlog, ns = _run_delta(arr(dead), arr(dirty), arr(born), self.nlog, self.H, self.C, self.res.buf,
+                              self.succ.buf, self.pred.buf, self.free, self.LOG, self.LOGR, self.HEAP, self.SUF,
+                              self.stamp)
+        self.stamp += 1
+        self.nlog = int(nlog)
+        return int(ns)
+
+    def log(self) -> np.ndarray:
+        """Task ids in the order the last run dequeued them."""
+        return self.LOG[:self.nlog]
