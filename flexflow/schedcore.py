@@ -238,6 +238,105 @@ def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR,
     return nlog, ns
 
 
+@_jit
+def _succ_from_pred(n, H, C, PBUF, SBUF):
+    """Successor rows (H's SOFF / SLEN into SBUF) from the predecessor rows; returns their
+    total length."""
+    for t in range(n):
+        H[t, 7] = 0
+    for t in range(n):
+        o = C[t, 0]
+        for i in range(o, o + C[t, 1]):
+            H[PBUF[i], 7] += 1
+    pos = 0
+    for t in range(n):
+        H[t, 6] = pos
+        pos += H[t, 7]
+        H[t, 7] = 0
+    for t in range(n):
+        o = C[t, 0]
+        for i in range(o, o + C[t, 1]):
+            p = PBUF[i]
+            SBUF[H[p, 6] + H[p, 7]] = t
+            H[p, 7] += 1
+    return pos
+
+
+@_jit
+def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
+    """Tasks ``ids`` get new predecessor rows (``nbuf[noff[x]:noff[x] + nlen[x]]``): rewrite
+    the successor rows of their old and new predecessors at the end of SBUF (from ``used``).
+    Returns the new end, or minus the end needed when SBUF is too short (nothing written)."""
+    m = 0
+    for x in range(ids.shape[0]):
+        m += C[ids[x], 1] + nlen[x]
+    ep = np.empty(m, np.int64)
+    et = np.empty(m, np.int64)
+    ed = np.empty(m, np.int64)
+    k = 0
+    for x in range(ids.shape[0]):
+        t = ids[x]
+        o = C[t, 0]
+        for i in range(o, o + C[t, 1]):
+            ep[k] = PBUF[i]
+            et[k] = t
+            ed[k] = -1
+            k += 1
+        o = noff[x]
+        for i in range(o, o + nlen[x]):
+            ep[k] = nbuf[i]
+            et[k] = t
+            ed[k] = 1
+            k += 1
+    order = np.argsort(ep, kind="mergesort")
+    need = used
+    i = 0
+    while i < m:
+        p = ep[order[i]]
+        j = i
+        a = 0
+        while j < m and ep[order[j]] == p:
+            if ed[order[j]] > 0:
+                a += 1
+            j += 1
+        need += H[p, 7] + a  # (the old row is copied before its removals)
+        i = j
+    if need > SBUF.shape[0]:
+        return -need
+    i = 0
+    while i < m:
+        p = ep[order[i]]
+        j = i
+        while j < m and ep[order[j]] == p:
+            j += 1
+        start = used
+        o = H[p, 6]
+        L = H[p, 7]
+        for q in range(L):
+            SBUF[start + q] = SBUF[o + q]
+        for g in range(i, j):  # removals first, then additions
+            y = order[g]
+            if ed[y] < 0:
+                t = et[y]
+                q = 0
+                while q < L and SBUF[start + q] != t:
+                    q += 1
+                if q == L:
+                    raise ValueError("successor rows out of step with the predecessor rows")
+                L -= 1
+                SBUF[start + q] = SBUF[start + L]
+        for g in range(i, j):
+            y = order[g]
+            if ed[y] > 0:
+                SBUF[start + L] = et[y]
+                L += 1
+        H[p, 6] = start
+        H[p, 7] = L
+        used = start + L
+        i = j
+    return used
+
+
 # ---- the arrays ------------------------------------------------------------------------------
 def _aligned(rows: int, cols: int) -> np.ndarray:
     """A zeroed int64 (rows, cols) table whose rows start on 64-byte boundaries."""
@@ -281,11 +380,15 @@ class _Segments:
 
     def set_rows(self, table: np.ndarray, n: int, ids: np.ndarray, rows: list) -> None:
         lens = np.fromiter(map(len, rows), _I8, len(rows))
-        total = int(lens.sum())
+        self.set_flat(table, n, ids, np.fromiter(chain.from_iterable(rows), _I8, int(lens.sum())), lens)
+
+    def set_flat(self, table: np.ndarray, n: int, ids: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> None:
+        """Rows ``ids`` become the consecutive pieces of ``flat`` of lengths ``lens``."""
+        total = len(flat)
         if self.used + total > len(self.buf):
             table[ids, self.lc] = 0  # (their old rows are dropped by the compaction)
             self._compact(table, n, total)
-        self.buf[self.used:self.used + total] = np.fromiter(chain.from_iterable(rows), _I8, total)
+        self.buf[self.used:self.used + total] = flat
         table[ids, self.oc] = self.used + np.cumsum(lens) - lens
         table[ids, self.lc] = lens
         self.used += total
@@ -336,34 +439,62 @@ class TaskArrays:
         H[:n, RES1] = tg.RES1
         H[:n, PRIO] = [k >> TID_BITS for k in tg.KP]
         C[:n, ALIVE] = tg.ALIVE
-        self.succ.set_all(H, tg.SUCC)
         self.pred.set_all(C, tg.PRED)
         self.res.set_all(C, [r or () for r in tg.RESM])
+        sg = self.succ
+        sg.buf = np.zeros(max(2 * self.pred.used, 1024), _I8)
+        sg.used = sg.live = int(_succ_from_pred(n, H, C, self.pred.buf, sg.buf))
 
-    def update(self, tg, tasks, preds, succs) -> None:
-        """Mirror the tasks a patch allocated or killed (every column), and those whose
-        predecessor or successor lists it changed."""
+    def update(self, tg, killed, preds, born) -> None:
+        """Mirror a patch: the tasks it killed, those whose predecessors it changed (and
+        their predecessors' successor rows), and the tasks it allocated (column chunks, see
+        ``TaskGraph.take_touched``)."""
         n = self.n = len(tg.DUR)
         self._grow(n)
         H, C = self.H, self.C
         arr = lambda xs: np.fromiter(xs, _I8, len(xs))
-        if tasks:
-            ids = arr(tasks)
-            ts = ids.tolist()
-            DUR_, RES1_, KP, ALIVE_, RESM = tg.DUR, tg.RES1, tg.KP, tg.ALIVE, tg.RESM
-            H[ids, DUR] = [DUR_[t] for t in ts]
-            H[ids, RES1] = [RES1_[t] for t in ts]
-            H[ids, PRIO] = [KP[t] >> TID_BITS for t in ts]
-            C[ids, ALIVE] = [ALIVE_[t] for t in ts]
-            self.res.set_rows(C, n, ids, [RESM[t] or () for t in ts])
+        if killed:
+            C[arr(killed), ALIVE] = 0
+        if born:
+            col = lambda i: list(chain.from_iterable(c[i] for c in born))
+            ids = np.array(col(0), _I8)
+            H[ids, DUR] = col(1)
+            H[ids, RES1] = col(2)
+            H[ids, PRIO] = col(4)
+            C[ids, ALIVE] = 1
+            self.res.set_rows(C, n, ids, [r or () for r in col(3)])
         if preds:
             ids = arr(preds)
             PRED = tg.PRED
-            self.pred.set_rows(C, n, ids, [PRED[t] for t in ids.tolist()])
-        if succs:
-            ids = arr(succs)
-            SUCC = tg.SUCC
-            self.succ.set_rows(H, n, ids, [SUCC[t] for t in ids.tolist()])
+            rows = [PRED[t] for t in ids.tolist()]
+            lens = np.fromiter(map(len, rows), _I8, len(rows))
+            flat = np.fromiter(chain.from_iterable(rows), _I8, int(lens.sum()))
+            offs = np.cumsum(lens) - lens
+            sg = self.succ
+            used = _succ_edits(ids, flat, offs, lens, H, C, self.pred.buf, sg.buf, sg.used)
+            if used < 0:  # out of room: gather the live rows to the front and try again
+                sg._compact(H, n, -used - sg.used)
+                used = _succ_edits(ids, flat, offs, lens, H, C, self.pred.buf, sg.buf, sg.used)
+            sg.used = int(used)
+            self.pred.set_flat(C, n, ids, flat, lens)
+
+    def check(self, tg) -> None:
+        """The arrays mirror ``tg`` (for tests): columns, routes, predecessor rows, and
+        successor rows that hold exactly the live tasks' predecessor edges."""
+        n = len(tg.DUR)
+        H, C = self.H, self.C
+        row = lambda seg, tab, t: sorted(seg.buf[tab[t, seg.oc]:tab[t, seg.oc] + tab[t, seg.lc]].tolist())
+        succ = [[] for _ in range(n)]
+        for t in range(n):
+            assert bool(C[t, ALIVE]) == tg.ALIVE[t], t
+            if tg.ALIVE[t]:
+                assert (H[t, DUR], H[t, RES1], H[t, PRIO]) == (tg.DUR[t], tg.RES1[t], tg.KP[t] >> TID_BITS), t
+                assert row(self.res, C, t) == sorted(tg.RESM[t] or ()), t
+            assert row(self.pred, C, t) == sorted(tg.PRED[t]), t
+            for p in tg.PRED[t]:
+                succ[p].append(t)
+        for t in range(n):
+            assert row(self.succ, H, t) == sorted(succ[t]), t
 
     def run_full(self) -> int:
         self.nlog = int(_run_full(self.n, self.H, self.C, self.res.buf, self.succ.buf, self.pred.buf, self.free,

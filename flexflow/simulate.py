@@ -156,7 +156,8 @@ class Simulator:
                 self.stats["delta"] += 1
                 return self._result(tg)
         tg = self._tg = TaskGraph(self.ctx, strategy)
-        self._sched = _Schedule(self.ctx.R)
+        if self._sched is None:
+            self._sched = _Schedule(self.ctx.R)
         self._sched.run_full(tg)
         self.stats["full"] += 1
         return self._result(tg)

@@ -68,15 +68,13 @@ class TaskGraph(_Patching):
         self.RES1: list[int] = []      # the single resource, or -1
         self.RESM: list = []           # tuple of resources when several (inter-node, ring)
         self.KP: list[int] = []        # prio << TID_BITS | tid
-        self.SUCC: list = []
         self.PRED: list = []
         self.ALIVE: list[bool] = []
-        self._touched = (set(), set(), set())  # see take_touched (the scheduler mirrors them)
+        self._touched = (set(), set())  # see take_touched (the scheduler mirrors them)
+        self._newcols: list = []
         self._free: list[int] = []
         self._born: list[int] = []
         self._dead: list[int] = []
-        self._drop: dict[int, dict] = {}  # queued successor removals (patch): p -> {t: count}
-        self._add: dict[int, list] = {}   # queued successor additions (patch)
         self.cfg = [None] * n
         self.unit = [-1] * n       # op -> head op of its unit
         self.members = [None] * n  # head -> member ops in order
@@ -139,14 +137,6 @@ class TaskGraph(_Patching):
                 PRED[t] = tuple(p)
             for t, p in zip(self.BT[h], self._b_pred(h)):
                 PRED[t] = tuple(p)
-        # successors from predecessors (their order does not matter to the scheduler).
-        # Tuples, not lists: the cyclic garbage collector stops tracking tuples of ints,
-        # so a big task graph does not slow every later collection down.
-        succ = [[] for _ in PRED]
-        for t, preds in enumerate(PRED):
-            for p in preds:
-                succ[p].append(t)
-        self.SUCC = [tuple(x) for x in succ]
         if comp:
             rows = [self._row(o) for o in comp]
             self.OPBUSY[comp] = np.stack([r[0] for r in rows])

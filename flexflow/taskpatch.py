@@ -1,10 +1,8 @@
 """Delta edits of a :class:`flexflow.taskgraph.TaskGraph`: task allocation that reuses
-released ids, killing tasks, replacing predecessor lists (successor lists follow in one pass)
-and :meth:`patch`, which moves the graph to a strategy that differs in a few share groups and
+released ids, killing tasks, replacing predecessor lists (the scheduler's arrays derive the
+successors, ``schedcore.py``) and :meth:`patch`, which moves the graph to a strategy that differs in a few share groups and
 says which tasks died, changed or were born (the delta simulation in ``simulate.py``)."""
 from __future__ import annotations
-
-from collections import Counter
 
 from .taskkeys import TID_BITS, TID_MASK
 
@@ -31,11 +29,10 @@ class _Patching:
         if len(free) >= n:
             tids = free[len(free) - n:]
             del free[len(free) - n:]
-            DUR, RES1, RESM, KP, SUCC, PRED, ALIVE = (self.DUR, self.RES1, self.RESM, self.KP, self.SUCC,
-                                                      self.PRED, self.ALIVE)
+            DUR, RES1, RESM, KP, PRED, ALIVE = self.DUR, self.RES1, self.RESM, self.KP, self.PRED, self.ALIVE
             for t, d, r1, rm, p in zip(tids, durs, r1s, rms, prios):
                 DUR[t], RES1[t], RESM[t], KP[t] = d, r1, rm, p << TID_BITS | t
-                SUCC[t] = PRED[t] = ()
+                PRED[t] = ()
                 ALIVE[t] = True
         else:
             base = len(self.DUR)
@@ -46,76 +43,36 @@ class _Patching:
             self.RES1 += r1s
             self.RESM += rms
             self.KP += [p << TID_BITS | t for p, t in zip(prios, tids)]
-            self.SUCC += [()] * n
             self.PRED += [()] * n
             self.ALIVE += [True] * n
         self._born += tids
-        for x in self._touched:
-            x.update(tids)
+        self._newcols.append((tids, durs, r1s, rms, prios))
         return tids
 
     def _kill(self, t: int) -> None:
-        """Mark t dead; successor lists are fixed in one pass by :meth:`_flush`."""
+        """Mark t dead (the scheduler's arrays drop it from its predecessors' successors)."""
         self.ALIVE[t] = False
-        drop = self._drop
-        for p in self.PRED[t]:
-            d = drop.setdefault(p, {})
-            d[t] = d.get(t, 0) + 1
-        self.PRED[t] = self.SUCC[t] = ()
+        self.PRED[t] = ()
         self._dead.append(t)
         for x in self._touched:
             x.add(t)
 
     def _set_pred(self, t: int, new) -> bool:
-        """Replace t's predecessors (successors follow in :meth:`_flush`); True if changed.
-        Predecessors may repeat (an op reading one tensor twice): multiset difference."""
-        old = self.PRED[t]
+        """Replace t's predecessors; True if they changed.  Predecessors may repeat (an op
+        reading one tensor twice)."""
         new = tuple(new)
-        if old == new:
+        if self.PRED[t] == new:
             return False
-        drop, add = self._drop, self._add
         self.PRED[t] = new
         self._touched[1].add(t)
-        if not old:
-            for p in new:
-                add.setdefault(p, []).append(t)
-            return True
-        gone, came = Counter(old), Counter(new)
-        gone.subtract(new)
-        came.subtract(old)
-        for p, n in gone.items():
-            if n > 0:
-                d = drop.setdefault(p, {})
-                d[t] = d.get(t, 0) + n
-        for p, n in came.items():
-            if n > 0:
-                add.setdefault(p, []).extend([t] * n)
         return True
 
-    def _flush(self) -> None:
-        """Apply the successor-list edits queued by _kill and _set_pred."""
-        SUCC, ALIVE, drop, add = self.SUCC, self.ALIVE, self._drop, self._add
-        for p, ts in drop.items():
-            if ALIVE[p]:
-                out = []
-                for x in SUCC[p]:
-                    n = ts.get(x)
-                    if n:
-                        ts[x] = n - 1
-                    else:
-                        out.append(x)
-                SUCC[p] = tuple(out)
-        for p, ts in add.items():
-            SUCC[p] += tuple(ts)
-        self._touched[2].update(drop)
-        self._touched[2].update(add)
-        drop.clear()
-        add.clear()
-
-    def take_touched(self) -> tuple[set, set, set]:
-        """What changed since the last call, for the scheduler's arrays: (ids allocated or
-        killed, ids whose predecessors changed, ids whose successors changed)."""
-        out, self._touched = self._touched, (set(), set(), set())
+    def take_touched(self) -> tuple[set, set, list]:
+        """What changed since the last call, for the scheduler's arrays: (ids killed, ids
+        whose predecessors changed, the allocations as (ids, durations, single resources,
+        routes, priorities) column chunks)."""
+        out = self._touched + (self._newcols,)
+        self._touched, self._newcols = (set(), set()), []
         return out
 
     def release(self) -> None:
@@ -227,7 +184,6 @@ class _Patching:
             for t, p in zip(self.BT[h], self._b_pred(h)):
                 if setp(t, p) and t not in born:
                     dirty.append(t)
-        self._flush()
         for o in r_set.union(o for o, _ in edges):
             self._rows(o)
         live, cfg = ctx.live, self.cfg
@@ -237,16 +193,11 @@ class _Patching:
         return list(self._dead), dirty, list(self._born)
 
     def validate(self) -> None:
-        """Consistency of the task arrays (for tests): successor lists mirror predecessor
-        lists and no live task refers to a dead one."""
-        succ_from_pred: dict[int, list] = {}
+        """Consistency of the task lists (for tests): dead tasks have no predecessors and no
+        live task refers to a dead one."""
         for t, preds in enumerate(self.PRED):
             if not self.ALIVE[t]:
-                assert not preds and not self.SUCC[t], t
+                assert not preds, t
                 continue
             for p in preds:
                 assert self.ALIVE[p], (t, p)
-                succ_from_pred.setdefault(p, []).append(t)
-        for t, succ in enumerate(self.SUCC):
-            if self.ALIVE[t]:
-                assert sorted(succ) == sorted(succ_from_pred.get(t, [])), t

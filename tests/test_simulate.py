@@ -196,6 +196,7 @@ def _walk_inner(g, machine, steps, seed, check_every, validate_every, options):
             assert rd == rf, (step, op)
         if validate_every and step % validate_every == 0:
             delta._tg.validate()
+            delta._sched.arrays.check(delta._tg)
         if rd.iteration_time <= 1.02 * best:
             cur, best = new, min(best, rd.iteration_time)
     return delta
