@@ -28,7 +28,7 @@ import numpy as np
 
 from .taskkeys import TID_BITS
 
-__all__ = ["TaskArrays", "JIT"]
+__all__ = ["TaskArrays", "JIT", "NO_LIMIT"]
 
 try:  # pragma: no cover - depends on the environment
     if os.environ.get("FLEXFLOW_NO_JIT"):
@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover
     JIT = False
 
 _I8 = np.int64
+NO_LIMIT = 1 << 62  # picoseconds: "no limit" (far beyond any step)
 
 
 # ---- heap of (ready, priority, task id), kept in three parallel arrays --------------------
@@ -94,8 +95,10 @@ POFF, PLEN, ROFF, RLEN, ALIVE, MARK = range(6)
 
 
 @_jit
-def _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, nlog):
-    """Dequeue until the heap is empty; returns the new log length."""
+def _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
+    """Dequeue until the heap is empty, or until some resource r proves the graph cannot end
+    by ``limit``: it is busy until free[r] and still has rem[r] of work queued
+    (free[r] + rem[r] > limit).  Returns (new log length, stopped early)."""
     HR, HP = heap[0], heap[1]
     HT = heap[2]
     while hn > 0:
@@ -104,12 +107,17 @@ def _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, nlog):
         rdy = row[0]
         s = rdy
         r = row[4]
+        d = row[3]
+        over = False
         if r >= 0:
             f = free[r]
             if f > s:
                 s = f
-            e = s + row[3]
+            e = s + d
             free[r] = e
+            left = rem[r] - d
+            rem[r] = left
+            over = e + left > limit
         else:
             o = C[t, 2]
             m = C[t, 3]
@@ -117,13 +125,20 @@ def _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, nlog):
                 f = free[RBUF[i]]
                 if f > s:
                     s = f
-            e = s + row[3]
+            e = s + d
             for i in range(o, o + m):
-                free[RBUF[i]] = e
+                q = RBUF[i]
+                free[q] = e
+                left = rem[q] - d
+                rem[q] = left
+                if e + left > limit:
+                    over = True
         row[1] = e
         LOG[nlog] = t
         LOGR[nlog] = rdy
         nlog += 1
+        if over:
+            return nlog, True
         o = row[6]
         for i in range(o, o + row[7]):
             c = SBUF[i]
@@ -134,28 +149,60 @@ def _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, nlog):
             rc[2] = k
             if k == 0:
                 hn = _push(HR, HP, HT, hn, rc[0], rc[5], c)
-    return nlog
+    return nlog, False
 
 
 @_jit
-def _run_full(n, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR, heap):
+def _queued_work(ts, H, C, RBUF, rem):
+    """rem[r] = the durations of tasks ``ts`` on resource r."""
+    for r in range(rem.shape[0]):
+        rem[r] = 0
+    for t in ts:
+        r = H[t, 4]
+        if r >= 0:
+            rem[r] += H[t, 3]
+        else:
+            o = C[t, 2]
+            for i in range(o, o + C[t, 3]):
+                rem[RBUF[i]] += H[t, 3]
+
+
+@_jit
+def _over(free, rem, limit):
+    for r in range(free.shape[0]):
+        if free[r] + rem[r] > limit:
+            return True
+    return False
+
+
+@_jit
+def _run_full(n, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, heap, SUF):
     for r in range(free.shape[0]):
         free[r] = 0
     hn = 0
+    ns = 0
     for t in range(n):
         H[t, 0] = 0
         H[t, 2] = C[t, 1]
+        if C[t, 4]:
+            SUF[ns] = t
+            ns += 1
+    _queued_work(SUF[:ns], H, C, RBUF, rem)
+    if _over(free, rem, limit):
+        return 0, True
     for t in range(n):
         if C[t, 4] and C[t, 1] == 0:
             hn = _push(heap[0], heap[1], heap[2], hn, 0, H[t, 5], t)
-    return _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, 0)
+    return _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, 0)
 
 
 @_jit
-def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR, heap, SUF, stamp):
-    """Re-simulate from t* (``simulate.py``); returns (new log length, tasks re-simulated)."""
-    big = np.int64(1) << 62
-    tstar = big
+def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, heap, SUF,
+               stamp):
+    """Re-simulate from t* (``simulate.py``), no later than ``valid`` (the previous run
+    stopped early: only its tasks with ready time < valid are final).  Returns (new log
+    length, tasks re-simulated, stopped early)."""
+    tstar = valid
     for t in dead:
         if H[t, 0] < tstar:
             tstar = H[t, 0]
@@ -182,8 +229,6 @@ def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR,
                     lb = H[p, 1]
             if not hit and lb < tstar:
                 tstar = lb
-    if tstar == big:
-        tstar = 0
     # keep the log's prefix with ready time < t*
     lo, hi = 0, nlog
     while lo < hi:
@@ -193,10 +238,12 @@ def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR,
         else:
             hi = mid
     keep = lo
+    stamp += 1
     for r in range(free.shape[0]):
         free[r] = 0
     for i in range(keep):
         t = LOG[i]
+        C[t, 5] = stamp
         r = H[t, 4]
         if r >= 0:
             free[r] = H[t, 1]
@@ -204,20 +251,17 @@ def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR,
             o = C[t, 2]
             for j in range(o, o + C[t, 3]):
                 free[RBUF[j]] = H[t, 1]
-    # the suffix: live tasks of the old log after the prefix, and the born ones
+    # the suffix: every live task outside the prefix
     stamp += 1
     ns = 0
-    for i in range(keep, nlog):
-        t = LOG[i]
-        if C[t, 4]:
+    for t in range(n):
+        if C[t, 4] and C[t, 5] != stamp - 1:
             C[t, 5] = stamp
             SUF[ns] = t
             ns += 1
-    for t in born:
-        if C[t, 5] != stamp:
-            C[t, 5] = stamp
-            SUF[ns] = t
-            ns += 1
+    _queued_work(SUF[:ns], H, C, RBUF, rem)
+    if _over(free, rem, limit):
+        return keep, ns, True
     hn = 0
     for x in range(ns):
         t = SUF[x]
@@ -234,8 +278,8 @@ def _run_delta(dead, dirty, born, nlog, H, C, RBUF, SBUF, PBUF, free, LOG, LOGR,
         H[t, 0] = rdy
         if k == 0:
             hn = _push(heap[0], heap[1], heap[2], hn, rdy, H[t, 5], t)
-    nlog = _loop(heap, hn, H, C, RBUF, SBUF, free, LOG, LOGR, keep)
-    return nlog, ns
+    nlog, stopped = _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, keep)
+    return nlog, ns, stopped
 
 
 @_jit
@@ -405,6 +449,8 @@ class TaskArrays:
         self.H = self.C = self.LOG = self.LOGR = self.HEAP = self.SUF = None
         self.succ, self.pred, self.res = _Segments(SOFF, SLEN), _Segments(POFF, PLEN), _Segments(ROFF, RLEN)
         self.free = np.zeros(R, _I8)
+        self.rem = np.zeros(R, _I8)  # work queued per resource (the early stop's bound)
+        self.valid = NO_LIMIT  # ready times below this are final in the log
         self.nlog = 0
         self.stamp = 0
 
@@ -496,21 +542,37 @@ class TaskArrays:
         for t in range(n):
             assert row(self.succ, H, t) == sorted(succ[t]), t
 
-    def run_full(self) -> int:
-        self.nlog = int(_run_full(self.n, self.H, self.C, self.res.buf, self.succ.buf, self.pred.buf, self.free,
-                                  self.LOG, self.LOGR, self.HEAP))
-        return self.nlog
+    def run_full(self, limit: int = NO_LIMIT) -> bool:
+        """Schedule every task; False if stopped early (see :meth:`run_delta`)."""
+        self.nlog, stopped = _run_full(self.n, self.H, self.C, self.res.buf, self.succ.buf, self.pred.buf,
+                                       self.free, self.rem, limit, self.LOG, self.LOGR, self.HEAP, self.SUF)
+        self.nlog = int(self.nlog)
+        self._stopped(stopped)
+        return not stopped
 
-    def run_delta(self, dead, dirty, born) -> int:
-        """Re-simulate after a patch; returns how many tasks were scheduled again."""
+    def run_delta(self, dead, dirty, born, limit: int = NO_LIMIT) -> tuple[int, bool]:
+        """Re-simulate after a patch.  Returns (tasks scheduled again, finished): with a
+        ``limit`` (picoseconds) the run stops as soon as some resource's busy time plus its
+        queued work exceeds it -- then the graph provably ends later than ``limit``, and the
+        next run restarts no later than the stopping point."""
         arr = lambda xs: np.fromiter(xs, _I8, len(xs))
+        self.stamp += 3
+        nlog, ns, stopped = _run_delta(arr(dead), arr(dirty), arr(born), self.n, self.nlog, self.valid, self.H,
+                                       self.C, self.res.buf, self.succ.buf, self.pred.buf, self.free, self.rem,
+                                       limit, self.LOG, self.LOGR, self.HEAP, self.SUF, self.stamp)
         self.stamp += 2
-        nlog, ns = _run_delta(arr(dead), arr(dirty), arr(born), self.nlog, self.H, self.C, self.res.buf,
-                              self.succ.buf, self.pred.buf, self.free, self.LOG, self.LOGR, self.HEAP, self.SUF,
-                              self.stamp)
-        self.stamp += 1
         self.nlog = int(nlog)
-        return int(ns)
+        self._stopped(stopped)
+        return int(ns), not stopped
+
+    def _stopped(self, stopped: bool) -> None:
+        # after an early stop only the tasks dequeued with ready time below the last one's are final
+        self.valid = int(self.LOGR[self.nlog - 1]) if stopped and self.nlog else (0 if stopped else NO_LIMIT)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the last run scheduled every task."""
+        return self.valid == NO_LIMIT
 
     def log(self) -> np.ndarray:
         """Task ids in the order the last run dequeued them."""

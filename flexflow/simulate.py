@@ -29,7 +29,7 @@ from typing import Callable
 
 from .cost import GRAD_BUCKET_BYTES, CostModel
 from .memory import optimizer_state_copies
-from .schedcore import TaskArrays
+from .schedcore import NO_LIMIT, TaskArrays
 from .taskgraph import KIND_NAMES, PS, SYNC_MODELS, TID_BITS, Context, TaskGraph, decode_prio
 
 __all__ = ["Simulator", "SimResult"]
@@ -114,20 +114,33 @@ class Simulator:
         self._loss_latency_s = machine.allreduce_latency_s(range(ctx.D))  # the outputs' all-reduce
         self._tg: TaskGraph | None = None
         self._sched: _Schedule | None = None
-        self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0}
+        self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0, "stopped": 0}
 
     # ---- public ---------------------------------------------------------------------------
     def simulate(self, strategy, incremental: bool = True) -> SimResult:
+        return self._simulate_gc(strategy, incremental, NO_LIMIT)
+
+    def simulate_within(self, strategy, limit_s: float, incremental: bool = True) -> SimResult | None:
+        """``simulate(strategy)``, or None as soon as the schedule proves that the iteration
+        time exceeds ``limit_s``: some device or link is busy until t and still has work w
+        queued, with t + w (plus what is added after the graph) above the limit.  A search
+        that would reject every strategy slower than ``limit_s`` decides exactly as with the
+        full result, usually sooner."""
+        if not limit_s < NO_LIMIT / PS:
+            return self._simulate_gc(strategy, incremental, NO_LIMIT)
+        return self._simulate_gc(strategy, incremental, max(0, int(limit_s * PS)))
+
+    def _simulate_gc(self, strategy, incremental: bool, limit: int):
         # many small lists per call: the cyclic collector would rescan them over and over
         if not gc.isenabled():
-            return self._simulate(strategy, incremental)
+            return self._simulate(strategy, incremental, limit)
         gc.disable()
         try:
-            return self._simulate(strategy, incremental)
+            return self._simulate(strategy, incremental, limit)
         finally:
             gc.enable()
 
-    def _simulate(self, strategy, incremental: bool) -> SimResult:
+    def _simulate(self, strategy, incremental: bool, limit: int) -> SimResult | None:
         g = getattr(strategy, "graph", None)
         if g is not None and g is not self.graph and g.fingerprint() != self.graph.fingerprint():
             raise ValueError("strategy was made for another graph (fingerprint "
@@ -139,28 +152,40 @@ class Simulator:
         tg = self._tg
         if incremental and tg is not None:
             groups = tg.changed_groups(strategy)
-            if not groups:
+            arrays = self._sched.arrays
+            if not groups and arrays.complete:
                 self.stats["same"] += 1
                 tg.strategy = strategy
-                return self._result(tg)
+                return self._result(tg) if self._end_ps(tg) <= limit else self._stopped()
             if len(groups) <= self.max_delta_fraction * len(self.ctx.groups):
                 ctx = self.ctx
                 for g in groups:  # refuse a bad config before touching the task graph
                     o = ctx.groups[g][0]
                     ctx.template(o, strategy[ctx.ops[o].name])
                 try:
-                    self.stats["resimulated_tasks"] += self._sched.run_delta(tg, strategy, groups)
+                    dead, dirty, born = tg.patch(strategy, groups) if groups else ([], [], [])
+                    arrays.update(tg, *tg.take_touched())
+                    n, done = arrays.run_delta(dead, dirty, born, self._graph_limit(tg, limit))
+                    tg.release()
                 except BaseException:
                     self._tg = self._sched = None  # half-patched: the next call starts afresh
                     raise
+                self.stats["resimulated_tasks"] += n
                 self.stats["delta"] += 1
-                return self._result(tg)
+                return self._result(tg) if done else self._stopped()
         tg = self._tg = TaskGraph(self.ctx, strategy)
         if self._sched is None:
             self._sched = _Schedule(self.ctx.R)
-        self._sched.run_full(tg)
+        done = self._sched.run_full(tg, self._graph_limit(tg, limit))
         self.stats["full"] += 1
-        return self._result(tg)
+        return self._result(tg) if done else self._stopped()
+
+    def _graph_limit(self, tg: TaskGraph, limit: int) -> int:
+        return limit if limit == NO_LIMIT else limit - self._after_graph_ps(tg)
+
+    def _stopped(self) -> None:
+        self.stats["stopped"] += 1
+        return None
 
     def timeline(self, strategy) -> tuple[list, list]:
         """(events, row names): events (name, category, resource, start_ps, dur_ps) of a fresh
@@ -199,14 +224,22 @@ class Simulator:
         lat = sum(-(-nb // GRAD_BUCKET_BYTES) * m.allreduce_latency_s(devices) for devices, nb in per_group.items())
         return int(round((lat + self._loss_latency_s) * PS))
 
+    def _after_graph_ps(self, tg: TaskGraph) -> int:
+        """What the step adds after the task graph: the parameter server's time (sync="ps")
+        and, with communication on the computing cores, the collectives' latencies."""
+        extra = int(tg.CLPS.sum())
+        if self.ctx.comm_on_cores:
+            extra += self._collective_latency_ps(tg)
+        return extra
+
+    def _end_ps(self, tg: TaskGraph) -> int:
+        free = self._sched.free
+        return (int(free.max()) if len(free) else 0) + self._after_graph_ps(tg)
+
     def _result(self, tg: TaskGraph) -> SimResult:
         ctx = self.ctx
         D = ctx.D
-        free = self._sched.free
-        end = int(free.max()) if len(free) else 0
-        end += int(tg.CLPS.sum())  # sync="ps": the parameter server's time, after the graph
-        if ctx.comm_on_cores:
-            end += self._collective_latency_ps(tg)
+        end = self._end_ps(tg)
         mem = tg.memory_peak()
         busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
         busy[:D] += tg.UBUSY.sum(0)
@@ -252,22 +285,14 @@ class _Schedule:
     def free(self):
         return self.arrays.free
 
-    def run_full(self, tg: TaskGraph) -> int:
+    def run_full(self, tg: TaskGraph, limit: int = NO_LIMIT) -> bool:
+        """Schedule ``tg`` from scratch; False if stopped early at ``limit``."""
         a = self.arrays
         tg.take_touched()
         a.load(tg)
-        a.run_full()
+        done = a.run_full(limit)
         tg.release()
-        return tg.num_tasks()
-
-    def run_delta(self, tg: TaskGraph, strategy, groups) -> int:
-        """Patch ``tg`` to ``strategy`` and re-simulate from the earliest affected time."""
-        dead, dirty, born = tg.patch(strategy, groups)
-        a = self.arrays
-        a.update(tg, *tg.take_touched())
-        n = a.run_delta(dead, dirty, born)
-        tg.release()
-        return n
+        return done
 
     def per_resource(self, tg: TaskGraph) -> list[list[int]]:
         """Per resource, the tasks it ran in order."""

@@ -217,6 +217,47 @@ def test_delta_equals_full_with_parameter_server_sync_and_adam(nmt_small, lenet)
     _walk(lenet, Machine.preset("p100-cluster", devices=4), 80, seed=5, sync="ps", optimizer="momentum")
 
 
+def _walk_within(g, machine, steps, seed, **options):
+    """Proposals simulated with a limit near their true time: None exactly when the full
+    simulation is slower than the limit, else the full result; a stopped run leaves the
+    simulator exact for the next call, limited or not."""
+    cm = CostModel(machine)
+    lim, full = Simulator(g, machine, cm, **options), Simulator(g, machine, cm, **options)
+    rng = random.Random(seed)
+    reps = [members[0] for members in g.groups.values()]
+    cur = Strategy.data_parallel(g, machine)
+    for step in range(steps):
+        op = rng.choice(reps)
+        new = cur.replace(op, rng.choice(candidate_configs(g.op(op), machine)))
+        rf = full.simulate(new, incremental=False)
+        if step % 7 == 6:  # an unlimited call right after whatever the last one did
+            assert lim.simulate(new) == rf
+            continue
+        limit = rf.iteration_time * rng.choice([0.5, 0.9, 0.99, 1.01, 1.1, 2.0])
+        rd = lim.simulate_within(new, limit)
+        if rf.iteration_time > limit:
+            assert rd is None, (step, op)
+        else:
+            assert rd == rf, (step, op)
+        if rng.random() < 0.3:
+            cur = new
+    assert lim.stats["stopped"] > 0 and lim.stats["delta"] > lim.stats["stopped"]
+    lim._sched.arrays.check(lim._tg)
+    return lim
+
+
+def test_simulate_within_stops_exactly_when_slower(inception, nmt_small, lenet):
+    _walk_within(inception, Machine.preset("p100-cluster", devices=16), 120, seed=11)
+    _walk_within(nmt_small, Machine.preset("k80-cluster", devices=8), 80, seed=12, sync="ps", optimizer="adam")
+    _walk_within(lenet, _on_cores()[0], 80, seed=13)
+    sim = Simulator(lenet, Machine.preset("p100-cluster", devices=4))
+    dp = Strategy.data_parallel(lenet, sim.machine)
+    t = sim.simulate(dp, incremental=False).iteration_time
+    assert sim.simulate_within(dp, t / 2, incremental=False) is None
+    assert sim.simulate_within(dp, 2 * t) == sim.simulate(dp, incremental=False)
+    assert sim.simulate_within(dp, float("inf")).iteration_time == t
+
+
 def test_parameter_server_sync_comes_after_the_task_graph(lenet):
     """sync="ps": every replica but the first sends each gradient to the first and gets the
     values back, one transfer after another, after the rest of the step; nothing to sync,
