@@ -481,6 +481,8 @@ class TaskArrays:
         n = self.n = len(tg.DUR)
         self._grow(n)
         H, C = self.H, self.C
+        H[n:] = 0  # (ids a later patch appends start empty)
+        C[n:] = 0
         H[:n, DUR] = tg.DUR
         H[:n, RES1] = tg.RES1
         H[:n, PRIO] = [k >> TID_BITS for k in tg.KP]

@@ -258,6 +258,55 @@ def test_simulate_within_stops_exactly_when_slower(inception, nmt_small, lenet):
     assert sim.simulate_within(dp, float("inf")).iteration_time == t
 
 
+_CORE_SCRIPT = """
+import json, random, sys
+import flexflow as ff
+from flexflow.machine import Machine
+from flexflow.simulate import Simulator
+from flexflow.schedcore import JIT
+from flexflow.strategy import Strategy, candidate_configs
+m, x = ff.models.get("lenet", batch_size=32, device="meta")
+g = ff.trace(m, x)
+mach = Machine.preset("k80-cluster", devices=8)
+sim = Simulator(g, mach)
+rng = random.Random(0)
+reps = [ms[0] for ms in g.groups.values()]
+cur = Strategy.data_parallel(g, mach)
+out = [sim.simulate(Strategy.random(g, mach, 1)).iteration_time]  # a bigger graph first
+last = sim.simulate(cur).iteration_time
+for step in range(60):
+    op = rng.choice(reps)
+    new = cur.replace(op, rng.choice(candidate_configs(g.op(op), mach)))
+    if step % 20 == 10:
+        new = Strategy.random(g, mach, step)
+    r = sim.simulate_within(new, last * rng.choice([0.9, 1.1]))
+    out.append(None if r is None else r.iteration_time)
+    if r is not None:
+        cur, last = new, r.iteration_time
+sim._sched.arrays.check(sim._tg)
+print(json.dumps({"jit": JIT, "times": out}))
+"""
+
+
+def test_interpreted_core_gives_the_same_results():
+    """Without numba (or with FLEXFLOW_NO_JIT=1) the scheduling kernels run interpreted, with
+    numpy's bounds checks, and give the same results as compiled."""
+    import json
+    import os
+    import subprocess
+    import sys
+    runs = []
+    for off in ("", "1"):
+        env = dict(os.environ, FLEXFLOW_NO_JIT=off)
+        p = subprocess.run([sys.executable, "-c", _CORE_SCRIPT], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[1]["jit"] is False
+    assert runs[0]["times"] == runs[1]["times"]
+    assert None in runs[0]["times"] and sum(t is not None for t in runs[0]["times"]) >= 5
+
+
 def test_parameter_server_sync_comes_after_the_task_graph(lenet):
     """sync="ps": every replica but the first sends each gradient to the first and gets the
     values back, one transfer after another, after the rest of the step; nothing to sync,

@@ -127,7 +127,7 @@ class SearchResult:
     result: object  # SimResult of strategy
     baselines: dict  # name -> SimResult (data_parallel, model_parallel, expert, optcnn)
     evaluations: int  # strategies the search evaluated: simulated, or rejected by the lower bound
-    #   (chain starts, proposals, polish; see ``simulations`` and ``screened``)
+    #   (chain starts, proposals, polish; see ``simulations``, ``screened`` and ``cut``)
     seconds: float  # wall time of the whole call, baselines included
     baseline_strategies: dict = field(default_factory=dict)  # name -> Strategy
     history: list = field(default_factory=list)  # (evaluations, seconds, best iteration time) at each improvement
@@ -139,6 +139,7 @@ class SearchResult:
     baseline_seconds: float = 0.0  # of ``seconds``: building and simulating the baselines
     simulations: int = 0  # of ``evaluations``: the ones simulated (delta or full)
     screened: int = 0  # of ``evaluations``: rejected by the load lower bound, not simulated
+    cut: int = 0  # of ``evaluations``: simulations stopped once slower than any acceptable cost
 
     @property
     def speedup(self) -> float:
@@ -173,6 +174,7 @@ class _Run:
         self.scale_s = scale_s
         self.evals = 0  # strategies evaluated: simulated (``sims``) or screened out
         self.sims = 0
+        self.cuts = 0  # of evals: simulations stopped early (``cut``)
         self.best_key = self.best = self.best_res = None
         self.history: list = []
         self.last_improve_evals, self.last_improve_s = 0, time.perf_counter() - t0
@@ -210,6 +212,13 @@ class _Run:
     def screened(self) -> None:
         """Count one evaluation settled by the lower bound, without a simulation."""
         self.evals += 1
+        self._show()
+
+    def cut(self) -> None:
+        """Count one evaluation settled by a simulation stopped early: its schedule proved it
+        slower than anything the search would accept (``Simulator.simulate_within``)."""
+        self.evals += 1
+        self.cuts += 1
         self._show()
 
     def _show(self) -> None:

@@ -164,7 +164,16 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                     run.screened()
                     screened += 1
                     continue
-            res = sims[c].simulate(new, incremental=delta)
+            if screen and run.best_key is not None and run.best_key[0] == 0:
+                # The test rejects every cost above max(cost - ln(u) / beta, best) (u = 0:
+                # none); the schedule stops as soon as it proves the time is above it.
+                limit = max(cost[c] - math.log(u) / beta, run.best_key[1]) * (1.0 + 1e-9) if u > 0 else math.inf
+                res = sims[c].simulate_within(new, limit, incremental=delta)
+                if res is None:
+                    run.cut()
+                    continue
+            else:
+                res = sims[c].simulate(new, incremental=delta)
             k = run.seen(new, res)
             if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
                 state[c], cost[c], size[c] = new, k[1], res.num_tasks
@@ -196,7 +205,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             best = Strategy(graph, dict(best), machine, name="search")
     return SearchResult(best, best_res, base_res, run.evals, time.perf_counter() - t0, base,
                         run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
-                        source, converged, baseline_s, run.sims, screened)
+                        source, converged, baseline_s, run.sims, screened, run.cuts)
 
 
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> tuple[Strategy, list[int]]:
@@ -266,7 +275,15 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
                 run.screened()  # cost >= lb >= the current cost: no improvement
                 state["screened"] += 1
                 return False
-        k = run.seen(new, sim.simulate(new, incremental=delta))
+        if bound is not None and state["key"][0] == 0:
+            # only a strictly lower cost improves: stop the schedule once it proves more
+            res = sim.simulate_within(new, state["key"][1] * (1.0 + 1e-9), incremental=delta)
+            if res is None:
+                run.cut()
+                return False
+        else:
+            res = sim.simulate(new, incremental=delta)
+        k = run.seen(new, res)
         if _better(k, state["key"]):
             state["cur"], state["key"] = new, k
             if bound is not None:
