@@ -234,11 +234,13 @@ one search proposal (random single-op change, `incremental=True`), caches warm; 
 = the same proposals the first time (new configs' op times and transfer plans computed);
 *full/delta* = full ms (chain) / delta ms; *resimulated* = share of the tasks the delta
 simulation schedules again; *proposal ms* = a proposal as `ff.search` pays for it: the load
-lower bound first (`flexflow/bound.py`), the delta simulation only when the bound cannot
-reject it; *screened* = share of the proposals the bound rejected without a simulation.
-The chain keeps a proposal by the search's Metropolis test (temperature 1% of data
-parallelism's time, u drawn before simulating), so the screen changes no decision; the
-benchmark asserts that no screened proposal is one the chain kept.
+lower bound first (`flexflow/bound.py`), then the delta simulation, stopped as soon as the
+schedule proves the proposal slower than anything the Metropolis test or the best-so-far
+would accept (`Simulator.simulate_within`); *screened* = share of the proposals the bound
+rejected without a simulation; *cut* = share whose simulation stopped early.  The chain
+keeps a proposal by the search's Metropolis test (temperature 1% of data parallelism's
+time, u drawn before simulating), so neither shortcut changes a decision; the benchmark
+asserts that no screened or cut proposal is one the chain kept.
 
 ## What limits the delta simulation
 
@@ -251,14 +253,15 @@ times can flip.  So the exact re-simulation restarts where the change can first 
 (the time the changed op's producers finish) and schedules everything after it again: the
 *resimulated* column is that share.  What the delta simulation saves is the rest: it
 patches the task graph in place instead of building it again and reuses the timeline
-before the restart point.  The scheduling loop costs about 1-1.5 us per task in CPython
-(a heap pop and push and its successors' dependency counts), and the re-simulated share
-grows with the number of tasks as fast as the full simulation does, so full/delta does not
-grow with devices.  The screen helps where proposals pile work onto few devices or links
-(most random changes of a convolution network at 64 devices); it cannot settle a proposal
-that is slower only through waiting (latency on the critical path, exposed sync), which is
-most of the recurrent networks' proposals.  CPU times on this shared 2-core host vary by
-+-30% between runs.
+before the restart point.  The scheduling loop is compiled (`flexflow/schedcore.py`,
+numba): about 0.1-0.15 us per task, two thirds of it the ready queue (ready times tie
+often, so comparisons reach the priorities).  A full simulation is dominated by building
+the task graph in Python, a delta by the re-scheduled share plus 3-6 ms of Python for the
+patch of a 64-way op and its mirror in the kernels' arrays.  The screen helps where
+proposals pile work onto few devices or links (most random changes of a convolution
+network at 64 devices); the cut helps where a proposal's extra work or waiting shows
+before the end of the step.  CPU times on this shared 2-core host vary by +-30% between
+runs.
 """
 
 if __name__ == "__main__":
