@@ -11,7 +11,7 @@ from .ir import dtype_bytes
 from .memory import Liveness, optimizer_state_copies
 from .ops.base import region_numel
 from .strategy import overlap, param_placement, partitions, pick_replica, validate_config
-from .taskkeys import _AB, _JB, _PB, PS, B, F, SYNC, SYNC_MODELS, UPD, XB, XF, _prio, _ps
+from .taskkeys import _AB, _AMAX, _JB, _PB, PS, B, F, SYNC, SYNC_MODELS, UPD, XB, XF, _prio, _ps
 
 __all__ = ["Context"]
 
@@ -29,8 +29,9 @@ class _Tmpl:
 
 
 class _EdgePlan:
-    """Producer u -> consumer o input j under a config pair: (q, k, bytes, fwd/bwd transfer)."""
-    __slots__ = ("pairs", "recv", "busy", "comm", "identity", "direct", "xqk", "fcols", "bcols")
+    """Producer u -> consumer o input j under a config pair: same-device pairs (direct), the
+    transfers as task columns (fcols / bcols, pairs xqk), bytes received per device, busy row."""
+    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xqk", "fcols", "bcols")
 
 
 class _ClusterPlan:
@@ -117,6 +118,7 @@ class Context:
         self._cluster: dict = {}
         self._route: dict = {}
         self._xfer: dict = {}
+        self._xtab = None  # (see _transfer_tables)
         self.live = Liveness(self, optimizer)  # memory by liveness (memory.py)
 
     # ---- cached plans ---------------------------------------------------------------------
@@ -212,12 +214,43 @@ class Context:
             r = self._route[a, b] = (links[0], None) if len(links) == 1 else (-1, links)
         return r
 
+    def _transfer_tables(self):
+        """Per (src, dst) device pair: route (single resource or -1; resource tuple or None;
+        resources padded with -1), latency sum and slowest bandwidth -- what ``route`` and
+        ``transfer_ps`` give, as arrays for a whole transfer plan at once."""
+        if self._xtab is None:
+            D, m = self.D, self.machine
+            lat, bw = np.zeros((D, D)), np.ones((D, D))
+            r1 = np.full((D, D), -1, np.int64)
+            rm = np.empty((D, D), object)
+            routes = {}
+            for a in range(D):
+                for b in range(D):
+                    if a == b:
+                        continue
+                    links = [m.links[i] for i in m.route(a, b)]
+                    lat[a, b] = sum(l.latency_s for l in links)  # as Machine.transfer_time_s
+                    bw[a, b] = min(l.bandwidth_Bps for l in links)
+                    r1[a, b], rm[a, b] = routes[a, b] = self.route(a, b)
+            width = max((len(x[1] or (x[0],)) for x in routes.values()), default=1)
+            pad = np.full((D, D, width), -1, np.int64)
+            for (a, b), (x1, xm) in routes.items():
+                res = xm or (x1,)
+                pad[a, b, :len(res)] = res
+            self._xtab = (lat, bw, r1, rm, pad)
+        return self._xtab
+
+    def _transfer_ps_array(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """``transfer_ps`` elementwise (the same float operations, so the same integers)."""
+        lat, bw = self._transfer_tables()[:2]
+        return np.maximum(1, np.rint((lat[a, b] + nbytes / bw[a, b]) * PS)).astype(np.int64)
+
     def edge_plan(self, u: int, o: int, j: int, cu, co) -> _EdgePlan:
         key = (o, j, cu, co)
         e = self._edge.get(key)
         if e is not None:
             return e
-        opu, opo, m = self.ops[u], self.ops[o], self.machine
+        opu, opo = self.ops[u], self.ops[o]
         pu, po = partitions(opu, cu), partitions(opo, co)
         validate_config(opu, cu, self.D)
         validate_config(opo, co, self.D)
@@ -226,66 +259,72 @@ class Context:
         for q, p in enumerate(pu):
             by_box.setdefault(tuple((s.start, s.stop) for s in p.output), []).append(q)
         bpe = dtype_bytes(opu.dtype)
+        boxes = sorted(by_box)
+        K, BX, N = self._overlaps(pu, po, j, nd, boxes)
+        if all(len(by_box[b]) == 1 for b in boxes):  # one producer per box: vectorised
+            Q = np.array([by_box[b][0] for b in boxes], np.int64)[BX] if len(boxes) else BX
+        else:  # replicas read one copy (pick_replica); partial sums are all read
+            partial = pu[0].partial
+            qs_l, ks_l, ns_l = [], [], []
+            for k, bx, n in zip(K.tolist(), BX.tolist(), N.tolist()):
+                qs = by_box[boxes[bx]]
+                if len(qs) > 1 and not partial:
+                    qs = (pick_replica(qs, pu, po[k].device, k),)
+                for q in qs:
+                    qs_l.append(q)
+                    ks_l.append(k)
+                    ns_l.append(n)
+            Q, K, N = (np.array(x, np.int64) for x in (qs_l, ks_l, ns_l))
+        NB = N * bpe
+        A = np.array([p.device for p in pu], np.int64)[Q]
+        Bd = np.array([p.device for p in po], np.int64)[K]
+        cross = A != Bd
         e = _EdgePlan()
-        e.pairs = []
         e.recv = np.zeros(self.D, np.int64)
         e.busy = np.zeros(self.R, np.int64)
-        e.comm = 0
-        busy: dict[int, int] = {}
-        pairs = e.pairs
-        for k, box, n in self._overlaps(pu, po, j, nd, by_box):
-            qs = by_box[box]
-            pk = po[k]
-            if len(qs) > 1 and not pu[0].partial:  # replicas (not partial sums): read one copy
-                qs = (pick_replica(qs, pu, pk.device, k),)
-            nb = n * bpe
-            for q in qs:
-                a, b = pu[q].device, pk.device
-                if a == b:
-                    pairs.append((q, k, nb, -1, None, None, -1, None, None))
-                    continue
-                fr1, frm = self.route(a, b)
-                br1, brm = self.route(b, a)
-                fd, bd = self.transfer_ps(a, b, nb), self.transfer_ps(b, a, nb)
-                pairs.append((q, k, nb, fr1, frm, fd, br1, brm, bd))
-                e.recv[b] += nb
-                e.comm += 2 * nb
-                for r in (frm or (fr1,)):
-                    busy[r] = busy.get(r, 0) + fd
-                for r in (brm or (br1,)):
-                    busy[r] = busy.get(r, 0) + bd
-        for r, v in busy.items():
-            e.busy[r] = v
-        e.identity = (len(pu) == len(po) and len(e.pairs) == len(po)
-                      and all(x[0] == x[1] == k and x[5] is None for k, x in enumerate(e.pairs)))
-        xs = [x for x in e.pairs if x[5] is not None]
-        e.direct = [(q, k, -1, -1) for q, k, _, _, _, fd, _, _, _ in e.pairs if fd is None]
-        e.xqk = [(x[0], x[1]) for x in xs]
-        e.fcols = ([x[5] for x in xs], [x[3] for x in xs], [x[4] for x in xs],
-                   [_prio(o, XF, j, x[1], x[0]) for x in xs])
-        e.bcols = ([x[8] for x in xs], [x[6] for x in xs], [x[7] for x in xs],
-                   [_prio(o, XB, j, x[1], x[0]) for x in xs])
+        same = ~cross
+        e.direct = list(zip(Q[same].tolist(), K[same].tolist(), [-1] * int(same.sum()), [-1] * int(same.sum())))
+        e.identity = (len(pu) == len(po) and len(Q) == len(po) and not cross.any()
+                      and bool((Q == np.arange(len(Q))).all() and (K == Q).all()))
+        Qx, Kx, NBx, Ax, Bx = Q[cross], K[cross], NB[cross], A[cross], Bd[cross]
+        e.xqk = list(zip(Qx.tolist(), Kx.tolist()))
+        e.comm = 2 * int(NBx.sum())
+        np.add.at(e.recv, Bx, NBx)
+        _, _, r1, rm, pad = self._transfer_tables()
+        fd = self._transfer_ps_array(Ax, Bx, NBx)
+        bd = self._transfer_ps_array(Bx, Ax, NBx)
+        for src, dst, dur in ((Ax, Bx, fd), (Bx, Ax, bd)):
+            res = pad[src, dst]
+            for c in range(res.shape[1]):
+                col = res[:, c]
+                used = col >= 0
+                np.add.at(e.busy, col[used], dur[used])
+        low = (Kx << _PB) | Qx
+        fp = (((o << 3 | XF) << _JB | j) << 2 * _PB) + low
+        bp = ((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low
+        e.fcols = (fd.tolist(), r1[Ax, Bx].tolist(), rm[Ax, Bx].tolist(), fp.tolist())
+        e.bcols = (bd.tolist(), r1[Bx, Ax].tolist(), rm[Bx, Ax].tolist(), bp.tolist())
         self._edge[key] = e
         return e
 
     @staticmethod
-    def _overlaps(pu, po, j: int, nd: int, by_box: dict):
-        """(consumer partition k, producer output box, elements) for every box that overlaps
-        what k reads of input j, k-major and boxes in lexicographic order."""
-        boxes = sorted(by_box)
+    def _overlaps(pu, po, j: int, nd: int, boxes: list):
+        """Arrays (consumer partition k, index into ``boxes``, elements) for every producer
+        output box that overlaps what k reads of input j, k-major and boxes in order."""
         regs = [pk.inputs[j] for pk in po]
         ks = [k for k, r in enumerate(regs) if r is not None]
+        empty = np.zeros(0, np.int64)
         if not ks or not boxes:
-            return []
+            return empty, empty, empty
         if any(len(regs[k]) != nd for k in ks):  # not expected: the plain intersection
             out = []
             for k in ks:
-                for box in boxes:
+                for bx, box in enumerate(boxes):
                     ov = overlap(regs[k], tuple(slice(a, b) for a, b in box))
                     n = 0 if ov is None else region_numel(ov)
                     if n > 0:
-                        out.append((k, box, n))
-            return out
+                        out.append((k, bx, n))
+            return tuple(np.array(x, np.int64).reshape(-1) for x in zip(*out)) if out else (empty, empty, empty)
         lo = np.array([[iv[0] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
         hi = np.array([[iv[1] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
         rlo = np.array([[x.start for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
@@ -293,8 +332,7 @@ class Context:
         ln = np.minimum(hi[None], rhi[:, None]) - np.maximum(lo[None], rlo[:, None])
         num = np.clip(ln, 0, None).prod(axis=2)
         kk, bb = np.nonzero(num)
-        vals = num[kk, bb].tolist()
-        return [(ks[x], boxes[y], v) for x, y, v in zip(kk.tolist(), bb.tolist(), vals)]
+        return np.array(ks, np.int64)[kk], bb.astype(np.int64), num[kk, bb].astype(np.int64)
 
     def ps_sync_ps(self, devices, nbytes: int) -> int:
         """Parameter-server sync of one gradient among ``devices``: every other replica sends
