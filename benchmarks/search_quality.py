@@ -207,10 +207,12 @@ def markdown(cases: list[dict], meta: dict) -> str:
          "`vs DP, PS sync`: the same search and data parallelism scored under the paper's sync model "
          "(see below).", "",
          "`evals`: strategies the search evaluated (chain starts, MCMC proposals, polish); `sims`: those "
-         "it simulated exactly (delta or full).  The rest were rejected by the load lower bound "
-         "(`flexflow/bound.py`): a proposal whose bound already fails the Metropolis test, drawn "
-         "before simulating, is rejected exactly as its simulation would have been (the chain is the "
-         "same with and without this screen), so it counts as evaluated but not as simulated.  The "
+         "it simulated to the end (delta or full).  The rest were rejected without a complete "
+         "simulation: by the load lower bound (`flexflow/bound.py`), or by a simulation stopped as "
+         "soon as its schedule proved the proposal slower than the Metropolis test and the best so far "
+         "accept (`Simulator.simulate_within`); u is drawn before simulating, so either is rejected "
+         "exactly as its complete simulation would have been (the chain is the same with and without "
+         "them), and it counts as evaluated but not as simulated.  The "
          "baselines are simulated before the budget starts (`base s`).", "",
          "| network | cluster | dev | data par. | model par. | expert | OptCNN | searched | speedup vs DP "
          "| vs DP, PS sync | vs best baseline | src | evals | sims | search s | base s |",
