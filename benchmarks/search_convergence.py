@@ -57,7 +57,7 @@ def run_case(name: str, devices: int, budget: float) -> dict:
         "baselines_ms": {k: base_res[k].iteration_time * 1e3 for k in BASELINES},
         "searched_ms": res.result.iteration_time * 1e3, "feasible": res.result.feasible,
         "source": res.source, "evaluations": res.evaluations, "simulations": res.simulations,
-        "screened": res.screened, "seconds": res.seconds, "accept_rate": res.accept_rate,
+        "screened": res.screened, "cut": res.cut, "seconds": res.seconds, "accept_rate": res.accept_rate,
         "history": hist,
         # when the final best was first reached
         "reached_at": next(((e, s) for e, s, t in hist if t <= res.result.iteration_time), (None, None)),
@@ -96,8 +96,9 @@ def markdown(cases: list[dict], meta: dict) -> str:
          f"baselines; {meta['total_seconds'] / 60:.1f} min in all.", "",
          "![best time against evaluations and seconds](search_convergence.png)", "",
          "`evals`: strategies evaluated (chain starts, proposals, polish), of which `sims` were simulated "
-         "exactly and the rest rejected by the load lower bound without a simulation (the chain is the "
-         "same either way).  `reached`: evaluations and seconds at which the final best was first seen.  "
+         "to the end and the rest rejected without a complete simulation: by the load lower bound, or by "
+         "a simulation stopped once its schedule proved the rejection (`Simulator.simulate_within`); the "
+         "chain is the same either way.  `reached`: evaluations and seconds at which the final best was first seen.  "
          "Times in ms per iteration (simulated); `vs DP` = data parallel / searched.", "",
          "| network | dev | groups | data par. | best baseline | searched | vs DP | src | evals | sims "
          "| evals/s | reached (evals, s) | base s |",
@@ -138,7 +139,15 @@ def main(argv=None) -> int:
     ap.add_argument("--networks", nargs="*", default=None)
     ap.add_argument("--devices", nargs="*", type=int, default=None)
     ap.add_argument("--out", default=None, help="output path without extension")
+    ap.add_argument("--render", metavar="JSON", help="only rewrite the .md and .png from a results .json")
     a = ap.parse_args(argv)
+    if a.render:
+        data = json.loads(Path(a.render).read_text())
+        out = Path(a.out) if a.out else Path(a.render).with_suffix("")
+        plot(data["cases"], out.with_suffix(".png"))
+        out.with_suffix(".md").write_text(markdown(data["cases"], data["meta"]))
+        print(f"wrote {out.with_suffix('.md')} and .png")
+        return 0
     nets = a.networks or (["alexnet", "rnnlm"] if a.quick else NETWORKS)
     devs = a.devices or ([16] if a.quick else DEVICES)
     budget = a.budget if a.budget is not None else (3.0 if a.quick else 15.0)
