@@ -323,13 +323,21 @@ class Machine:
         ns, nd = self.devices[s].node, self.devices[d].node
         return (self._intra[s, d],) if ns == nd else (self._nic_out[ns], self._nic_in[nd])
 
+    def route_figures(self, src, dst) -> tuple[float, float] | None:
+        """(sum of link latencies, slowest bandwidth) on the route src -> dst; None when
+        src == dst."""
+        r = self.route(src, dst)
+        if not r:
+            return None
+        links = [self.links[i] for i in r]
+        return sum(l.latency_s for l in links), min(l.bandwidth_Bps for l in links)
+
     def transfer_time_s(self, src, dst, nbytes: float) -> float:
         """Sum of link latencies on the route + nbytes / slowest bandwidth on the route."""
-        r = self.route(src, dst)
-        if not r or nbytes <= 0:
+        fig = self.route_figures(src, dst)
+        if fig is None or nbytes <= 0:
             return 0.0
-        links = [self.links[i] for i in r]
-        return sum(l.latency_s for l in links) + nbytes / min(l.bandwidth_Bps for l in links)
+        return fig[0] + nbytes / fig[1]
 
     def _ring(self, devices: Iterable) -> tuple[tuple[int, ...], ...]:
         """Routes of the ring hops, devices in id order (node-major: fewest node crossings)."""

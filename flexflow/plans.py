@@ -228,9 +228,7 @@ class Context:
                 for b in range(D):
                     if a == b:
                         continue
-                    links = [m.links[i] for i in m.route(a, b)]
-                    lat[a, b] = sum(l.latency_s for l in links)  # as Machine.transfer_time_s
-                    bw[a, b] = min(l.bandwidth_Bps for l in links)
+                    lat[a, b], bw[a, b] = m.route_figures(a, b)  # what Machine.transfer_time_s uses
                     r1[a, b], rm[a, b] = routes[a, b] = self.route(a, b)
             width = max((len(x[1] or (x[0],)) for x in routes.values()), default=1)
             pad = np.full((D, D, width), -1, np.int64)

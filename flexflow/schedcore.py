@@ -43,6 +43,12 @@ except ImportError:  # pragma: no cover
     JIT = False
 
 _I8 = np.int64
+
+
+def _ids(xs) -> np.ndarray:
+    return np.fromiter(xs, _I8, len(xs))
+
+
 NO_LIMIT = 1 << 62  # picoseconds: "no limit" (far beyond any step)
 
 
@@ -104,10 +110,10 @@ def _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
     while hn > 0:
         t, hn = _pop(HR, HP, HT, hn)
         row = H[t]
-        rdy = row[0]
+        rdy = row[READY]
         s = rdy
-        r = row[4]
-        d = row[3]
+        r = row[RES1]
+        d = row[DUR]
         over = False
         if r >= 0:
             f = free[r]
@@ -119,8 +125,8 @@ def _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
             rem[r] = left
             over = e + left > limit
         else:
-            o = C[t, 2]
-            m = C[t, 3]
+            o = C[t, ROFF]
+            m = C[t, RLEN]
             for i in range(o, o + m):
                 f = free[RBUF[i]]
                 if f > s:
@@ -133,22 +139,22 @@ def _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
                 rem[q] = left
                 if e + left > limit:
                     over = True
-        row[1] = e
+        row[FIN] = e
         LOG[nlog] = t
         LOGR[nlog] = rdy
         nlog += 1
         if over:
             return nlog, True
-        o = row[6]
-        for i in range(o, o + row[7]):
+        o = row[SOFF]
+        for i in range(o, o + row[SLEN]):
             c = SBUF[i]
             rc = H[c]
-            if rc[0] < e:
-                rc[0] = e
-            k = rc[2] - 1
-            rc[2] = k
+            if rc[READY] < e:
+                rc[READY] = e
+            k = rc[CNT] - 1
+            rc[CNT] = k
             if k == 0:
-                hn = _push(HR, HP, HT, hn, rc[0], rc[5], c)
+                hn = _push(HR, HP, HT, hn, rc[READY], rc[PRIO], c)
     return nlog, False
 
 
@@ -158,13 +164,13 @@ def _queued_work(ts, H, C, RBUF, rem):
     for r in range(rem.shape[0]):
         rem[r] = 0
     for t in ts:
-        r = H[t, 4]
+        r = H[t, RES1]
         if r >= 0:
-            rem[r] += H[t, 3]
+            rem[r] += H[t, DUR]
         else:
-            o = C[t, 2]
-            for i in range(o, o + C[t, 3]):
-                rem[RBUF[i]] += H[t, 3]
+            o = C[t, ROFF]
+            for i in range(o, o + C[t, RLEN]):
+                rem[RBUF[i]] += H[t, DUR]
 
 
 @_jit
@@ -182,17 +188,17 @@ def _run_full(n, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, heap, SUF)
     hn = 0
     ns = 0
     for t in range(n):
-        H[t, 0] = 0
-        H[t, 2] = C[t, 1]
-        if C[t, 4]:
+        H[t, READY] = 0
+        H[t, CNT] = C[t, PLEN]
+        if C[t, ALIVE]:
             SUF[ns] = t
             ns += 1
     _queued_work(SUF[:ns], H, C, RBUF, rem)
     if _over(free, rem, limit):
         return 0, True
     for t in range(n):
-        if C[t, 4] and C[t, 1] == 0:
-            hn = _push(heap[0], heap[1], heap[2], hn, 0, H[t, 5], t)
+        if C[t, ALIVE] and C[t, PLEN] == 0:
+            hn = _push(heap[0], heap[1], heap[2], hn, 0, H[t, PRIO], t)
     return _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, 0)
 
 
@@ -204,29 +210,29 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
     length, tasks re-simulated, stopped early)."""
     tstar = valid
     for t in dead:
-        if H[t, 0] < tstar:
-            tstar = H[t, 0]
+        if H[t, READY] < tstar:
+            tstar = H[t, READY]
     for t in dirty:
-        if H[t, 0] < tstar:
-            tstar = H[t, 0]
+        if H[t, READY] < tstar:
+            tstar = H[t, READY]
     # a changed task whose predecessors are all unchanged can become ready at their latest finish
     for t in dirty:
-        C[t, 5] = stamp
+        C[t, MARK] = stamp
     for t in born:
-        C[t, 5] = stamp
+        C[t, MARK] = stamp
     for grp in range(2):
         ts = dirty if grp == 0 else born
         for t in ts:
             lb = 0
             hit = False
-            o = C[t, 0]
-            for i in range(o, o + C[t, 1]):
+            o = C[t, POFF]
+            for i in range(o, o + C[t, PLEN]):
                 p = PBUF[i]
-                if C[p, 5] == stamp:
+                if C[p, MARK] == stamp:
                     hit = True
                     break
-                if H[p, 1] > lb:
-                    lb = H[p, 1]
+                if H[p, FIN] > lb:
+                    lb = H[p, FIN]
             if not hit and lb < tstar:
                 tstar = lb
     # keep the log's prefix with ready time < t*
@@ -243,20 +249,20 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
         free[r] = 0
     for i in range(keep):
         t = LOG[i]
-        C[t, 5] = stamp
-        r = H[t, 4]
+        C[t, MARK] = stamp
+        r = H[t, RES1]
         if r >= 0:
-            free[r] = H[t, 1]
+            free[r] = H[t, FIN]
         else:
-            o = C[t, 2]
-            for j in range(o, o + C[t, 3]):
-                free[RBUF[j]] = H[t, 1]
+            o = C[t, ROFF]
+            for j in range(o, o + C[t, RLEN]):
+                free[RBUF[j]] = H[t, FIN]
     # the suffix: every live task outside the prefix
     stamp += 1
     ns = 0
     for t in range(n):
-        if C[t, 4] and C[t, 5] != stamp - 1:
-            C[t, 5] = stamp
+        if C[t, ALIVE] and C[t, MARK] != stamp - 1:
+            C[t, MARK] = stamp
             SUF[ns] = t
             ns += 1
     _queued_work(SUF[:ns], H, C, RBUF, rem)
@@ -267,17 +273,17 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
         t = SUF[x]
         k = 0
         rdy = 0
-        o = C[t, 0]
-        for i in range(o, o + C[t, 1]):
+        o = C[t, POFF]
+        for i in range(o, o + C[t, PLEN]):
             p = PBUF[i]
-            if C[p, 5] == stamp:
+            if C[p, MARK] == stamp:
                 k += 1
-            elif H[p, 1] > rdy:
-                rdy = H[p, 1]
-        H[t, 2] = k
-        H[t, 0] = rdy
+            elif H[p, FIN] > rdy:
+                rdy = H[p, FIN]
+        H[t, CNT] = k
+        H[t, READY] = rdy
         if k == 0:
-            hn = _push(heap[0], heap[1], heap[2], hn, rdy, H[t, 5], t)
+            hn = _push(heap[0], heap[1], heap[2], hn, rdy, H[t, PRIO], t)
     nlog, stopped = _loop(heap, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, keep)
     return nlog, ns, stopped
 
@@ -287,22 +293,22 @@ def _succ_from_pred(n, H, C, PBUF, SBUF):
     """Successor rows (H's SOFF / SLEN into SBUF) from the predecessor rows; returns their
     total length."""
     for t in range(n):
-        H[t, 7] = 0
+        H[t, SLEN] = 0
     for t in range(n):
-        o = C[t, 0]
-        for i in range(o, o + C[t, 1]):
-            H[PBUF[i], 7] += 1
+        o = C[t, POFF]
+        for i in range(o, o + C[t, PLEN]):
+            H[PBUF[i], SLEN] += 1
     pos = 0
     for t in range(n):
-        H[t, 6] = pos
-        pos += H[t, 7]
-        H[t, 7] = 0
+        H[t, SOFF] = pos
+        pos += H[t, SLEN]
+        H[t, SLEN] = 0
     for t in range(n):
-        o = C[t, 0]
-        for i in range(o, o + C[t, 1]):
+        o = C[t, POFF]
+        for i in range(o, o + C[t, PLEN]):
             p = PBUF[i]
-            SBUF[H[p, 6] + H[p, 7]] = t
-            H[p, 7] += 1
+            SBUF[H[p, SOFF] + H[p, SLEN]] = t
+            H[p, SLEN] += 1
     return pos
 
 
@@ -313,15 +319,15 @@ def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
     Returns the new end, or minus the end needed when SBUF is too short (nothing written)."""
     m = 0
     for x in range(ids.shape[0]):
-        m += C[ids[x], 1] + nlen[x]
+        m += C[ids[x], PLEN] + nlen[x]
     ep = np.empty(m, np.int64)
     et = np.empty(m, np.int64)
     ed = np.empty(m, np.int64)
     k = 0
     for x in range(ids.shape[0]):
         t = ids[x]
-        o = C[t, 0]
-        for i in range(o, o + C[t, 1]):
+        o = C[t, POFF]
+        for i in range(o, o + C[t, PLEN]):
             ep[k] = PBUF[i]
             et[k] = t
             ed[k] = -1
@@ -343,7 +349,7 @@ def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
             if ed[order[j]] > 0:
                 a += 1
             j += 1
-        need += H[p, 7] + a  # (the old row is copied before its removals)
+        need += H[p, SLEN] + a  # (the old row is copied before its removals)
         i = j
     if need > SBUF.shape[0]:
         return -need
@@ -354,8 +360,8 @@ def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
         while j < m and ep[order[j]] == p:
             j += 1
         start = used
-        o = H[p, 6]
-        L = H[p, 7]
+        o = H[p, SOFF]
+        L = H[p, SLEN]
         for q in range(L):
             SBUF[start + q] = SBUF[o + q]
         for g in range(i, j):  # removals first, then additions
@@ -374,8 +380,8 @@ def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
             if ed[y] > 0:
                 SBUF[start + L] = et[y]
                 L += 1
-        H[p, 6] = start
-        H[p, 7] = L
+        H[p, SOFF] = start
+        H[p, SLEN] = L
         used = start + L
         i = j
     return used
@@ -398,7 +404,6 @@ class _Segments:
         self.oc, self.lc = offcol, lencol
         self.buf = np.zeros(1024, _I8)
         self.used = 0
-        self.live = 0
 
     def set_all(self, table: np.ndarray, rows: list) -> None:
         n = len(rows)
@@ -409,7 +414,7 @@ class _Segments:
         table[:n, self.oc] = np.cumsum(lens) - lens
         table[:n, self.lc] = lens
         table[n:, self.lc] = 0
-        self.used = self.live = total
+        self.used = total
 
     def _compact(self, table: np.ndarray, n: int, room: int) -> None:
         offs, lens = table[:n, self.oc], table[:n, self.lc]
@@ -420,7 +425,7 @@ class _Segments:
         buf[:live] = self.buf[idx]
         self.buf = buf
         table[:n, self.oc] = starts
-        self.used = self.live = live
+        self.used = live
 
     def set_rows(self, table: np.ndarray, n: int, ids: np.ndarray, rows: list) -> None:
         lens = np.fromiter(map(len, rows), _I8, len(rows))
@@ -491,7 +496,7 @@ class TaskArrays:
         self.res.set_all(C, [r or () for r in tg.RESM])
         sg = self.succ
         sg.buf = np.zeros(max(2 * self.pred.used, 1024), _I8)
-        sg.used = sg.live = int(_succ_from_pred(n, H, C, self.pred.buf, sg.buf))
+        sg.used = int(_succ_from_pred(n, H, C, self.pred.buf, sg.buf))
 
     def update(self, tg, killed, preds, born) -> None:
         """Mirror a patch: the tasks it killed, those whose predecessors it changed (and
@@ -500,9 +505,8 @@ class TaskArrays:
         n = self.n = len(tg.DUR)
         self._grow(n)
         H, C = self.H, self.C
-        arr = lambda xs: np.fromiter(xs, _I8, len(xs))
         if killed:
-            C[arr(killed), ALIVE] = 0
+            C[_ids(killed), ALIVE] = 0
         if born:
             col = lambda i: list(chain.from_iterable(c[i] for c in born))
             ids = np.array(col(0), _I8)
@@ -512,7 +516,7 @@ class TaskArrays:
             C[ids, ALIVE] = 1
             self.res.set_rows(C, n, ids, [r or () for r in col(3)])
         if preds:
-            ids = arr(preds)
+            ids = _ids(preds)
             PRED = tg.PRED
             rows = [PRED[t] for t in ids.tolist()]
             lens = np.fromiter(map(len, rows), _I8, len(rows))
@@ -549,7 +553,7 @@ class TaskArrays:
         self.nlog, stopped = _run_full(self.n, self.H, self.C, self.res.buf, self.succ.buf, self.pred.buf,
                                        self.free, self.rem, limit, self.LOG, self.LOGR, self.HEAP, self.SUF)
         self.nlog = int(self.nlog)
-        self._stopped(stopped)
+        self._set_valid(stopped)
         return not stopped
 
     def run_delta(self, dead, dirty, born, limit: int = NO_LIMIT) -> tuple[int, bool]:
@@ -557,17 +561,15 @@ class TaskArrays:
         ``limit`` (picoseconds) the run stops as soon as some resource's busy time plus its
         queued work exceeds it -- then the graph provably ends later than ``limit``, and the
         next run restarts no later than the stopping point."""
-        arr = lambda xs: np.fromiter(xs, _I8, len(xs))
-        self.stamp += 3
-        nlog, ns, stopped = _run_delta(arr(dead), arr(dirty), arr(born), self.n, self.nlog, self.valid, self.H,
+        nlog, ns, stopped = _run_delta(_ids(dead), _ids(dirty), _ids(born), self.n, self.nlog, self.valid, self.H,
                                        self.C, self.res.buf, self.succ.buf, self.pred.buf, self.free, self.rem,
-                                       limit, self.LOG, self.LOGR, self.HEAP, self.SUF, self.stamp)
-        self.stamp += 2
+                                       limit, self.LOG, self.LOGR, self.HEAP, self.SUF, self.stamp + 1)
+        self.stamp += 3  # (a delta run marks with three fresh stamps)
         self.nlog = int(nlog)
-        self._stopped(stopped)
+        self._set_valid(stopped)
         return int(ns), not stopped
 
-    def _stopped(self, stopped: bool) -> None:
+    def _set_valid(self, stopped: bool) -> None:
         # after an early stop only the tasks dequeued with ready time below the last one's are final
         self.valid = int(self.LOGR[self.nlog - 1]) if stopped and self.nlog else (0 if stopped else NO_LIMIT)
 

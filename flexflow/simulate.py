@@ -156,7 +156,8 @@ class Simulator:
             if not groups and arrays.complete:
                 self.stats["same"] += 1
                 tg.strategy = strategy
-                return self._result(tg) if self._end_ps(tg) <= limit else self._stopped()
+                after = self._after_graph_ps(tg)
+                return self._result(tg, after) if self._end_ps(after) <= limit else self._stopped()
             if len(groups) <= self.max_delta_fraction * len(self.ctx.groups):
                 ctx = self.ctx
                 for g in groups:  # refuse a bad config before touching the task graph
@@ -165,23 +166,22 @@ class Simulator:
                 try:
                     dead, dirty, born = tg.patch(strategy, groups) if groups else ([], [], [])
                     arrays.update(tg, *tg.take_touched())
-                    n, done = arrays.run_delta(dead, dirty, born, self._graph_limit(tg, limit))
+                    after = self._after_graph_ps(tg)
+                    n, done = arrays.run_delta(dead, dirty, born, limit - after)
                     tg.release()
                 except BaseException:
                     self._tg = self._sched = None  # half-patched: the next call starts afresh
                     raise
                 self.stats["resimulated_tasks"] += n
                 self.stats["delta"] += 1
-                return self._result(tg) if done else self._stopped()
+                return self._result(tg, after) if done else self._stopped()
         tg = self._tg = TaskGraph(self.ctx, strategy)
         if self._sched is None:
             self._sched = _Schedule(self.ctx.R)
-        done = self._sched.run_full(tg, self._graph_limit(tg, limit))
+        after = self._after_graph_ps(tg)
+        done = self._sched.run_full(tg, limit - after)
         self.stats["full"] += 1
-        return self._result(tg) if done else self._stopped()
-
-    def _graph_limit(self, tg: TaskGraph, limit: int) -> int:
-        return limit if limit == NO_LIMIT else limit - self._after_graph_ps(tg)
+        return self._result(tg, after) if done else self._stopped()
 
     def _stopped(self) -> None:
         self.stats["stopped"] += 1
@@ -232,14 +232,14 @@ class Simulator:
             extra += self._collective_latency_ps(tg)
         return extra
 
-    def _end_ps(self, tg: TaskGraph) -> int:
+    def _end_ps(self, after_graph_ps: int) -> int:
         free = self._sched.free
-        return (int(free.max()) if len(free) else 0) + self._after_graph_ps(tg)
+        return (int(free.max()) if len(free) else 0) + after_graph_ps
 
-    def _result(self, tg: TaskGraph) -> SimResult:
+    def _result(self, tg: TaskGraph, after_graph_ps: int) -> SimResult:
         ctx = self.ctx
         D = ctx.D
-        end = self._end_ps(tg)
+        end = self._end_ps(after_graph_ps)
         mem = tg.memory_peak()
         busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
         busy[:D] += tg.UBUSY.sum(0)

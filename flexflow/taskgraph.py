@@ -70,7 +70,9 @@ class TaskGraph(_Patching):
         self.KP: list[int] = []        # prio << TID_BITS | tid
         self.PRED: list = []
         self.ALIVE: list[bool] = []
-        self._touched = (set(), set())  # see take_touched (the scheduler mirrors them)
+        # what changed since the scheduler's arrays last mirrored the lists (take_touched)
+        self._killed: set = set()
+        self._repred: set = set()
         self._newcols: list = []
         self._free: list[int] = []
         self._born: list[int] = []

@@ -54,8 +54,8 @@ class _Patching:
         self.ALIVE[t] = False
         self.PRED[t] = ()
         self._dead.append(t)
-        for x in self._touched:
-            x.add(t)
+        self._killed.add(t)
+        self._repred.add(t)  # (its predecessor row empties)
 
     def _set_pred(self, t: int, new) -> bool:
         """Replace t's predecessors; True if they changed.  Predecessors may repeat (an op
@@ -64,15 +64,15 @@ class _Patching:
         if self.PRED[t] == new:
             return False
         self.PRED[t] = new
-        self._touched[1].add(t)
+        self._repred.add(t)
         return True
 
     def take_touched(self) -> tuple[set, set, list]:
         """What changed since the last call, for the scheduler's arrays: (ids killed, ids
         whose predecessors changed, the allocations as (ids, durations, single resources,
         routes, priorities) column chunks)."""
-        out = self._touched + (self._newcols,)
-        self._touched, self._newcols = (set(), set()), []
+        out = self._killed, self._repred, self._newcols
+        self._killed, self._repred, self._newcols = set(), set(), []
         return out
 
     def release(self) -> None:

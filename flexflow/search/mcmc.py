@@ -59,7 +59,9 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         the acceptance test.  The uniform draw of the test is made before the
         simulation, so the chain is the same with and without the screen; a
         screened proposal counts as an evaluation (``SearchResult.screened``; the
-        simulated ones are ``SearchResult.simulations``).
+        simulated ones are ``SearchResult.simulations``).  With the screen on, a
+        simulation also stops as soon as its schedule proves the proposal would be
+        rejected (``Simulator.simulate_within``; ``SearchResult.cut``).
     block: probability that a proposal is a block move: the chosen config then
         continues downstream through up to 8 consumer groups (``_Space.follow``:
         the same config, or the same split of another op kind), as a layer's ops or
