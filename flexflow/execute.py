@@ -164,6 +164,7 @@ class _Step:
     inputs: list = field(default_factory=list)  # per input: None | (mode, src, data)
     gate: _Gate | None = None
     params: list = field(default_factory=list)  # (local, qual, reshape_to, region)
+    param_readers: tuple = ()  # (local, pvals -> the tensor the rule reads) per entry of params
     # compiled at setup for a step that reads only local values and has no gate:
     # vals, pvals -> the output (None: the general path of Runtime._run)
     run: object = None
@@ -293,6 +294,8 @@ class Runtime:
                 step.gate = _Gate(op.name, buckets, [q for _, qs in buckets for q in qs])
             if step.part is not None:
                 step.params = self._param_access(op, step.part)
+                step.param_readers = tuple((local, _param_reader(qual, reshape_to, region))
+                                           for local, qual, reshape_to, region in step.params)
             self.program.append(step)
         for step in self.program:
             step.run = self._compile(step)
@@ -468,24 +471,14 @@ class Runtime:
                 def get(vals, src=src, data=data):
                     return vals[src][data]
             getters.append(get)
-        pgetters = []
-        for local, qual, reshape_to, region in step.params:
-            if reshape_to is None and region is None:
-                pget = operator.itemgetter(qual)
-            else:
-                def pget(pvals, qual=qual, reshape_to=reshape_to, region=region):
-                    t = pvals[qual]
-                    if reshape_to is not None:
-                        t = t.reshape(reshape_to)
-                    return t if region is None else t[region]
-            pgetters.append((local, pget))
+        pgetters = step.param_readers
         rule, block = RULES[op.rule], step.part.block
         if op.attrs.get("stacked") and hasattr(rule, "compute_parts"):  # (h, c) kept apart
             def fn(ins, params):
                 return _Stacked(rule.compute_parts(op, block, ins, params))
         else:
             fn = rule.bind(op, block)
-        getters, pgetters = tuple(getters), tuple(pgetters)
+        getters = tuple(getters)
         if len(getters) == 1:
             get0 = getters[0]
             return lambda vals, pvals: fn([get0(vals)], {k: g(pvals) for k, g in pgetters})
@@ -743,12 +736,7 @@ class Runtime:
                 pvals.update(zip(quals, gated))
             if step.part is None:
                 continue
-            params = {}
-            for local, qual, reshape_to, region in step.params:
-                t = pvals[qual]
-                if reshape_to is not None:
-                    t = t.reshape(reshape_to)
-                params[local] = t if region is None else t[region]
+            params = {local: read(pvals) for local, read in step.param_readers}
             if profiling:
                 with torch.profiler.record_function(f"{op.name} fwd"):
                     vals[op.name] = _compute(op, step.part.block, ins, params)
@@ -857,6 +845,20 @@ class _Stacked:
             sub = self.parts[first]
             return _Stacked(sub if full else [p[rest] for p in sub])
         return self.stack()[idx]
+
+
+def _param_reader(qual: str, reshape_to, region):
+    """pvals -> what a partition reads of parameter ``qual``: the tensor, reshaped to the
+    op's view, then its region (see ``Runtime._param_access``)."""
+    if reshape_to is None and region is None:
+        return operator.itemgetter(qual)
+
+    def read(pvals):
+        t = pvals[qual]
+        if reshape_to is not None:
+            t = t.reshape(reshape_to)
+        return t if region is None else t[region]
+    return read
 
 
 def _compute(op: Op, block, ins: list, params: dict):
