@@ -182,10 +182,15 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _train(model, module, batch: int, steps: int = STEPS, early: bool = False):
     """SGD steps on fresh batches; step 1 accumulates the gradients of two
     backward passes (another batch first) before updating.  ``early``: read
-    the loss before its backward too."""
+    the loss before its backward too.  The gradients of step 0, kept by the
+    caller after zero_grad() dropped them, must not change in later steps
+    (the executor reuses its gradient buckets only when no one holds them)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
+    kept = []
     for step in range(steps):
+        if step == 1:
+            kept = [(p.grad, p.grad.clone()) for p in model.parameters() if p.grad is not None]
         opt.zero_grad()
         if step == 1:
             model(*batch_for_step(module, batch, 50)).backward()
@@ -195,6 +200,8 @@ def _train(model, module, batch: int, steps: int = STEPS, early: bool = False):
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+    if not all(torch.equal(g, copy) for g, copy in kept):
+        raise AssertionError("a gradient kept from step 0 changed in a later step")
     return losses
 
 
