@@ -209,11 +209,57 @@ def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
 MIN_PREDICTED_GAIN = 0.05
 
 
-def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd") -> Strategy:
+# At most this share of the search budget goes to measuring op partitions on
+# this host before the search (only what the profile cache lacks).
+PROFILE_SHARE = 1 / 3
+
+
+def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
+    """(cost model, profile report or None) for searching ``graph`` on ``machine``
+    from this host.  When ``device`` is of the machine's device kind (the cpu
+    machine and this CPU, an H100 machine and this H100), the op partitions the
+    search may choose are measured there first, data parallelism's and
+    everything-on-one-device's first, then every candidate config's, for at most
+    ``seconds`` (what the profile cache holds costs nothing); the analytic model,
+    fitted to those measurements, prices what is left.  Otherwise the machine's
+    profile where one exists (:meth:`CostModel.for_machine`)."""
+    from .cost import CostModel
+    from .profile import profile_graph
+    from .profiledb import device_kind_of
+    from .strategy import candidate_configs
+    try:
+        same = device_kind_of(device) == machine.spec.kind
+    except RuntimeError:  # cuda asked for where there is none
+        same = False
+    if not same or seconds <= 0:
+        return CostModel.for_machine(machine), None
+    t0 = time.perf_counter()
+    first = Strategy.single_device(graph, machine)
+    report = profile_graph(graph, device, strategy=Strategy.data_parallel(graph, machine),
+                           configs={op.name: first[op.name] for op in graph.compute_ops}, budget_s=seconds)
+    left = seconds - (time.perf_counter() - t0)
+    if left > 0 and not report.skipped:
+        rest = profile_graph(graph, device, configs={op.name: candidate_configs(op, machine)
+                                                     for op in graph.compute_ops}, budget_s=left)
+        report.measured += rest.measured
+        report.skipped += rest.skipped
+        report.errors += rest.errors
+    report.seconds = time.perf_counter() - t0
+    return CostModel.for_machine(machine), report
+
+
+def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd", device=None) -> Strategy:
     """Rank 0's choice: the searched strategy, unless it is predicted less than
-    ``MIN_PREDICTED_GAIN`` faster than data parallelism (then data parallelism)."""
+    ``MIN_PREDICTED_GAIN`` faster than data parallelism (then data parallelism).
+    With ``device``, the ops are profiled there first (:func:`host_cost_model`,
+    within ``PROFILE_SHARE`` of the budget) and the search gets the rest;
+    without, the search uses whatever profile of the machine is cached."""
     from .search import search  # the module's function (flexflow.search is the function too)
-    found = search(graph, machine, budget=budget, optimizer=optimizer)
+    t0 = time.perf_counter()
+    cm, _ = host_cost_model(graph, machine, device if device is not None else "cpu",
+                            budget * PROFILE_SHARE if device is not None else 0.0)
+    left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
+    found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm)
     dp = found.baselines.get("data_parallel")
     if (dp is not None and dp.feasible and found.result.feasible
             and found.result.iteration_time > dp.iteration_time * (1 - MIN_PREDICTED_GAIN)):
@@ -309,7 +355,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                 strategy=None, budget: float = 30.0,
                 machine: Machine | None = None, timeout_s: float | None = None,
                 bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True,
-                optimizer: str = "sgd", reduce_outputs: str = "eager") -> ParallelModule:
+                optimizer: str = "sgd", reduce_outputs: str = "eager",
+                profile: bool = True) -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
 
     Collective: every rank of the default process group calls it with the
@@ -335,6 +382,11 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     backward, waits for the others until ``timeout_s``).  Without gradient
     buckets across all ranks (model parallelism) or in a forward without
     autograd, outputs are reduced eagerly.
+    ``profile``: before searching, rank 0 measures the op partitions the search
+    may choose on its own device, when that device is of the machine's kind
+    (the detected host), within a third of ``budget``; the measurements are
+    cached on disk, so a later call on the same host profiles nothing again.
+    False: search on the analytic cost model (and any profile already cached).
     """
     if example_inputs is None and example_kwargs:
         example_inputs = ()
@@ -388,7 +440,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
             try:
                 if error is not None:
                     raise RuntimeError(error)
-                found = (_search_strategy(graph, machine, budget, optimizer) if len(ranks) > 1
+                found = (_search_strategy(graph, machine, budget, optimizer, device if profile else None)
+                         if len(ranks) > 1
                          else Strategy.data_parallel(graph, machine))
                 payload = [("ok", found.to_json())]
             except Exception as e:  # noqa: BLE001 - every rank must hear about it

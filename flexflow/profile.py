@@ -200,6 +200,7 @@ class ProfileReport:
     measured: int = 0
     cached: int = 0
     errors: int = 0
+    skipped: int = 0
     seconds: float = 0.0
 
     def total_ms(self) -> tuple[float, float]:
@@ -212,6 +213,7 @@ class ProfileReport:
         return {"device": self.device, "device_name": self.device_name, "device_kind": self.device_kind,
                 "cache": self.path, "threads": self.threads, "entries": len(self.ops),
                 "measured": self.measured, "cached": self.cached, "errors": self.errors,
+                "skipped": self.skipped,
                 "seconds": round(self.seconds, 3), "total_forward_ms": fwd, "total_backward_ms": bwd,
                 "ops": [{k: v for k, v in e.items() if k != "key"} for e in self.ops]}
 
@@ -220,14 +222,16 @@ class ProfileReport:
         lines = [f"{'op':<28} {'kind':<18} {'n':>3} {'output':<22} {'fwd ms':>9} {'bwd ms':>9} "
                  f"{'GFLOP':>8}  src"]
         for e in self.ops:
-            src = "error" if e["error"] else ("cache" if e["cached"] else "measured")
+            src = ("skipped" if e.get("skipped") else "error") if e["error"] else \
+                ("cache" if e["cached"] else "measured")
             f = "-" if e["error"] else f"{e['forward_ms']:.4f}"
             b = "-" if e["error"] else f"{e['backward_ms']:.4f}"
             lines.append(f"{e['op'][:28]:<28} {e['kind'][:18]:<18} {len(e['ops']):>3} "
                          f"{str(tuple(e['output_shape']))[:22]:<22} {f:>9} {b:>9} {e['flops'] / 1e9:>8.3f}  {src}")
         fwd, bwd = self.total_ms()
         lines.append(f"{len(self.ops)} distinct ops on {self.device_name} ({self.device_kind}): "
-                     f"{self.measured} measured, {self.cached} from cache, {self.errors} failed; "
+                     f"{self.measured} measured, {self.cached} from cache, {self.errors} failed"
+                     f"{f', {self.skipped} skipped (out of time)' if self.skipped else ''}; "
                      f"forward {fwd:.3f} ms + backward {bwd:.3f} ms per iteration; cache {self.path}")
         return "\n".join(lines)
 
@@ -246,7 +250,7 @@ def _configs_for(op, strategy, configs) -> list:
 def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int = 5,
                   progress: bool = False, *, db: ProfileDB | None = None, profile_dir=None,
                   warmup: int = 1, max_seconds: float = 2.0, save: bool = True,
-                  ops=None) -> ProfileReport:
+                  ops=None, budget_s: float | None = None) -> ProfileReport:
     """Profile every distinct partition key of ``graph``'s compute ops on ``device``
     ("cpu", "cuda", "cuda:1"), each once; keys already in the cache are not re-run.
 
@@ -257,7 +261,9 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     cache).  New measurements are saved (merged under a lock) unless ``save=False``.
     ``ops``: only these op names (default: every compute op).
     ``progress``: a tqdm bar on stderr when it is a terminal.  An op that fails to run
-    is reported with its ``error`` and not cached; the others go on."""
+    is reported with its ``error`` and not cached; the others go on.
+    ``budget_s``: measure nothing new once this many seconds have passed; the keys
+    left are reported with ``skipped`` (``ProfileReport.skipped`` counts them)."""
     t_start = time.perf_counter()
     dev = _torch_device(device)
     name = device_name(dev)
@@ -292,6 +298,9 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
             if hit is not None:
                 e.update(forward_ms=hit["fwd_s"] * 1e3, backward_ms=hit["bwd_s"] * 1e3, cached=True)
                 report.cached += 1
+            elif budget_s is not None and time.perf_counter() - t_start > budget_s:
+                e.update(error="skipped: out of profiling time", skipped=True)
+                report.skipped += 1
             else:
                 try:
                     fwd, bwd, runs = profile_partition(op, part, dev, repeats, warmup, graph, max_seconds)

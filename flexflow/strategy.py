@@ -498,6 +498,16 @@ class Strategy(Mapping):
         return cls(graph, configs, machine, name="expert")
 
     @classmethod
+    def single_device(cls, graph: OpGraph, machine, device: int = 0) -> "Strategy":
+        """Every op whole on ``device``: no parallelism.  A model too small for
+        its communication to pay (tiny layers, latency-bound steps) trains
+        fastest this way; the other devices only receive the outputs."""
+        if not 0 <= device < machine.num_devices:
+            raise StrategyError(f"device {device} is not one of the machine's {machine.num_devices} devices")
+        configs = {op.name: ParallelConfig({}, (device,)) for op in graph.compute_ops}
+        return cls(graph, configs, machine, name="single_device")
+
+    @classmethod
     def random(cls, graph: OpGraph, machine, seed: int = 0) -> "Strategy":
         """A uniformly random candidate config per share group."""
         rng = _random.Random(seed)

@@ -129,10 +129,10 @@ def batch_for_step(module, batch: int, step: int):
 
 
 def make_strategy(spec: str, graph, machine) -> Strategy:
-    """data_parallel | model_parallel | expert | random:SEED | bnchannel:SEED (random, but
+    """data_parallel | model_parallel | expert | single_device | random:SEED | bnchannel:SEED (random, but
     BatchNorm ops split along channels only or whole: train-mode BatchNorm stays exact)."""
     kind, _, arg = spec.partition(":")
-    if kind in ("data_parallel", "model_parallel", "expert"):
+    if kind in ("data_parallel", "model_parallel", "expert", "single_device"):
         return getattr(Strategy, kind)(graph, machine)
     s = Strategy.random(graph, machine, int(arg))
     if kind == "random":

@@ -40,7 +40,8 @@ CASES_2 = [(m, 5, "eval", BASIC + (["random:0"] if m in HEAVY else ["random:0", 
             + (["data_parallel+tiny"] if m == "transformer" else [])  # +tiny: 100-byte buckets
             # +ride: the loss rides on the gradient all-reduce; +early: read before backward too
             + (["data_parallel+ride", "random:0+ride", "data_parallel+tiny+ride+early", "model_parallel+ride"]
-               if m in ("rnnlm", "transformer") else []),
+               if m in ("rnnlm", "transformer") else [])
+            + (["single_device"] if m in ("rnnlm", "lenet") else []),  # rank 1 only receives the loss
             m in ("lenet", "transformer")) for m in ZOO]
 CASES_2 += [
     ("branchnet", 5, "eval", BASIC + ["random:0", "random:1", "random:2"], False),

@@ -317,3 +317,33 @@ def test_device_kinds():
             device_kind_of("cuda")
         with pytest.raises(RuntimeError, match="no CUDA device here"):
             profile_graph(_small("lenet"), device="cuda")
+
+
+# ---- profiling before a search (parallelize) -----------------------------------------------
+def test_host_cost_model_profiles_what_the_search_may_choose(cache):
+    from flexflow.api import host_cost_model
+    from flexflow.strategy import candidate_configs
+    g = _small("lenet")
+    machine = ff.Machine.preset("cpu", devices=2)
+    cm, rep = host_cost_model(g, machine, "cpu", seconds=60.0)
+    assert rep is not None and rep.measured > 0 and rep.skipped == 0 and rep.errors == 0
+    # data parallelism, everything on one device and every candidate config are measured
+    for op in g.compute_ops:
+        for cfg in [ff.Strategy.data_parallel(g, machine)[op.name], *candidate_configs(op, machine)]:
+            for part in partitions(op, cfg):
+                assert cm.source(op, part, part.device) == "measured", (op.name, cfg)
+    cm2, rep2 = host_cost_model(g, machine, "cpu", seconds=60.0)  # all cached now
+    assert rep2.measured == 0 and rep2.cached > 0
+    # another device kind: nothing measured here, no report
+    _, none = host_cost_model(g, ff.Machine.preset("p100-cluster"), "cpu", seconds=60.0)
+    assert none is None
+
+
+def test_host_cost_model_stops_at_its_time(cache):
+    from flexflow.api import host_cost_model
+    g = _small("inception_v3")
+    machine = ff.Machine.preset("cpu", devices=2)
+    cm, rep = host_cost_model(g, machine, "cpu", seconds=1e-9)
+    assert rep.measured <= 1 and rep.skipped > 0
+    assert "skipped (out of time)" in rep.table()
+    assert any(e.get("skipped") for e in rep.ops)

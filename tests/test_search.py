@@ -185,6 +185,24 @@ def test_never_worse_than_any_baseline(p100, name):
     assert r.result.feasible
 
 
+def test_one_device_is_a_start():
+    """Where communication costs more than the whole model's compute (a slow host
+    network), the search returns everything on one device: a chain starts there.
+    No baseline is that fast, and one proposal cannot get there from them."""
+    d = Machine.preset("cpu", devices=2).to_dict()
+    d["intra_node"].update(latency_s=0.002, allreduce_latency_s=0.002)
+    d["device"]["comm_on_cores"] = True
+    slow = Machine.from_dict(d)
+    module, inputs = ff.models.get("lenet", batch_size=8, size="small", device="meta")
+    lenet = ff.trace(module, inputs)
+    one = Simulator(lenet, slow).simulate(Strategy.single_device(lenet, slow)).iteration_time
+    found = ff.search(lenet, slow, evaluations=1, polish=False)
+    assert one < min(r.iteration_time for r in found.baselines.values())
+    assert found.result.iteration_time <= one
+    assert all(found.strategy[op.name].devices == (0,) for op in lenet.compute_ops) or \
+        found.result.iteration_time < one
+
+
 def test_feasible_when_data_parallel_is_not(lenet):
     """A machine whose memory data parallelism overflows (every device holds all
     parameters) but a strategy that splits the fully connected layers fits."""

@@ -34,7 +34,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         evaluations -> same strategy, whatever the wall time).
     init: a Strategy (or its JSON text) to start one more chain from.
     chains: number of chains (default: init if given, data parallel, expert,
-        OptCNN and one random start); more chains add random starts.
+        OptCNN, everything on device 0 and one random start); more chains add
+        random starts.
     delta: False simulates every proposal from scratch (for benchmarking).
     candidates: op, machine -> configs; restricts the space (default
         ``candidate_configs``).
@@ -102,6 +103,9 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
 
     starts: list[tuple[str, Strategy]] = [("init", init)] if init is not None else []
     starts += [(k, base[k]) for k in ("data_parallel", "expert", "optcnn")]
+    one = Strategy.single_device(graph, machine)
+    if all(one[rep] in space.index[i] for i, rep in enumerate(space.reps)):  # within the space
+        starts.append(("single_device", one))
     n_chains = chains if chains is not None else len(starts) + 1
     if n_chains < 1:
         raise SearchError(f"chains must be >= 1, got {chains!r}")
