@@ -21,8 +21,9 @@ Rounds alternate between the contenders so that load from other jobs hits
 them alike; each round is ``--steps`` SGD steps, timed on every rank, and a
 round counts at the slower rank.  Reported: median step time, the spread
 (min-max over rounds), steps/s, the ratio to DDP, and the prediction
-(``Simulator(graph, machine).simulate(strategy).iteration_time`` on the same
-machine the search used).  Writes ``benchmarks/results/real_speedup.md`` and
+(``Simulator(graph, machine, CostModel.for_machine(machine))``: the machine and
+the op profile the search used; ``parallelize()`` profiles the ops on this host
+before it searches, within a third of ``--budget``, and caches them).  Writes ``benchmarks/results/real_speedup.md`` and
 ``.json``.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flexflow as ff  # noqa: E402
+from flexflow.cost import CostModel  # noqa: E402
 from executor_overhead import _Trainer  # noqa: E402
 
 
@@ -113,7 +115,8 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
             times[k].append(t.steps(steps))
     out = {"times": times, "check_losses": check}
     if rank == 0:
-        sim = ff.Simulator(graph, machine)  # the cost model the search used
+        # the cost model the search used: the op times parallelize() measured on this host
+        sim = ff.Simulator(graph, machine, CostModel.for_machine(machine))
         dp_s = ff.Strategy.data_parallel(graph, machine)
         out["predicted_s"] = {"ddp": sim.simulate(dp_s).iteration_time,
                               "flexflow_dp": sim.simulate(dp_s).iteration_time,
@@ -188,7 +191,8 @@ def write_report(rows, command: str, seconds: float, out: Path) -> None:
              f"{os.cpu_count()} CPUs, one thread per process).", "",
              "Median step time over alternating rounds (a round counts at its slower rank); spread is "
              "min-max over rounds; ×DDP is DDP's step time over the contender's (higher is faster); "
-             "predicted is the simulator's iteration time on the machine the search used.", "",
+             "predicted is the simulator's iteration time with the machine and op profile the search used "
+             "(parallelize() profiles the ops on this host before it searches).", "",
              "| model | batch | contender | step ms (spread) | steps/s | ×DDP | predicted ms | error |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

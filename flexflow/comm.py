@@ -102,6 +102,7 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
             t = _between_compute(dist, chunk, lambda: dist.all_reduce(buf), warmup, repeats)
             out["allreduce"].append([buf.numel() * 4, max(t, 1e-9)])
         out["exchange"] = _exchange_cost(torch, dist, rank, chunk, warmup, repeats)
+        out["skew"] = _skew_samples(torch, dist, chunk, warmup, repeats)
         dist.barrier()
         out.update(_compute_figures(torch))  # all ranks at once, as in a real run
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
@@ -110,16 +111,31 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
 
 
 class _Chunk:
-    """A fixed piece of compute (some 100-200 us, about one op of a small model)."""
+    """A fixed piece of compute (``reps=12``: some 100-200 us, about one op of a small model)."""
 
-    def __init__(self, torch):
+    def __init__(self, torch, reps: int = 12):
         self.a, self.b = torch.randn(96, 96), torch.randn(96, 96)
         self.c = torch.empty(96, 96)
         self.mm = torch.mm
+        self.reps = reps
 
     def __call__(self):
-        for _ in range(12):
+        for _ in range(self.reps):
             self.mm(self.a, self.b, out=self.c)
+
+
+def _skew_samples(torch, dist, chunk, warmup, repeats) -> list:
+    """[[compute seconds, seconds a small all-reduce adds after it], ...] for a short and a
+    long piece of compute (about a step of a small model).  Where the ranks' speeds jitter,
+    the all-reduce waits for the slowest rank, and the longer the compute the longer that
+    wait: the slope is the sync skew."""
+    buf = torch.zeros(256)
+    out = []
+    for c in (chunk, _Chunk(torch, reps=chunk.reps * 40)):
+        t = _median_time(c, warmup, repeats)
+        out.append([t, _between_compute(dist, c, lambda: dist.all_reduce(buf), warmup, repeats,
+                                         rounds=10)])
+    return out
 
 
 def _between_compute(dist, chunk, fn, warmup: int, repeats: int, rounds: int = 10, before=None) -> float:
@@ -206,16 +222,22 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     ar_lat, ar_inv = _fit(ar)
     steps = 2 * (nprocs - 1)  # ring model: t = steps * (lat + size / (n * bw))
     dtypes = set.intersection(*(set(r["peak_flops"]) for r in ranks))
+    # sync skew: the slope of an all-reduce's cost (at the slowest rank) against the compute
+    # before it, from a short and a long piece of compute; noise can make it negative: 0
+    (t_short, ar_short), (t_long, ar_long) = (
+        (statistics.mean(r["skew"][i][0] for r in ranks), max(r["skew"][i][1] for r in ranks)) for i in (0, 1))
+    skew = min(max((ar_long - ar_short) / max(t_long - t_short, 1e-9), 0.0), 0.5)
     return {
         "nprocs": nprocs,
         "cores": _cpu_cores(),
         "exchange_s": statistics.mean([ranks[0]["exchange"], ranks[1]["exchange"]]),
         "latency_s": lat, "bandwidth_Bps": bw,
         "allreduce_latency_s": ar_lat / steps, "allreduce_bandwidth_Bps": ar_inv * steps / nprocs,
+        "sync_skew": skew,
         "peak_flops": {d: statistics.median(r["peak_flops"][d] for r in ranks) for d in sorted(dtypes)},
         "mem_bw_Bps": statistics.median(r["mem_bw_Bps"] for r in ranks),
         "launch_overhead_s": statistics.median(r["launch_overhead_s"] for r in ranks),
-        "samples": {"p2p": ranks[0]["p2p"], "allreduce": ar},
+        "samples": {"p2p": ranks[0]["p2p"], "allreduce": ar, "skew": [r["skew"] for r in ranks]},
         "seconds": time.perf_counter() - start,
     }
 
@@ -248,7 +270,8 @@ def write_cpu_machine_file(figures: dict, path=None) -> Path:
     if figures.get("allreduce_bandwidth_Bps") and figures.get("allreduce_latency_s") is not None:
         ar = {"allreduce_bandwidth_Bps": float(figures["allreduce_bandwidth_Bps"]),
               "allreduce_latency_s": float(figures["allreduce_latency_s"])}
-    spec = dataclasses.replace(spec, comm_on_cores=on_cores)
+    spec = dataclasses.replace(spec, comm_on_cores=on_cores,
+                               sync_skew=float(figures.get("sync_skew") or 0.0) if on_cores else 0.0)
     link = LinkSpec(float(figures["bandwidth_Bps"]), latency, "loopback", **ar)
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
     d = machine.to_dict()

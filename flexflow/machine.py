@@ -39,6 +39,10 @@ class DeviceSpec:
     # with no spare core per process): a message or an all-reduce also occupies the devices
     # at its ends for its duration, instead of overlapping their compute
     comm_on_cores: bool = False
+    # On a host whose processes' speeds jitter (a shared VM), a synchronisation makes every
+    # rank wait for the slowest: beyond its latency it costs this fraction of the compute
+    # the ranks did since the previous one (calibrated; 0 elsewhere)
+    sync_skew: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -133,11 +137,13 @@ def cpu_machine_file() -> Path:
 
 
 def _spec_dict(spec: DeviceSpec) -> dict:
-    """A device spec as JSON; ``comm_on_cores`` only when set (descriptions without it, and
-    their fingerprints, stay as they were)."""
+    """A device spec as JSON; ``comm_on_cores`` and ``sync_skew`` only when set (descriptions
+    without them, and their fingerprints, stay as they were)."""
     d = dataclasses.asdict(spec)
     if not d["comm_on_cores"]:
         del d["comm_on_cores"]
+    if not d["sync_skew"]:
+        del d["sync_skew"]
     return d
 
 
@@ -183,8 +189,8 @@ def _calibrate_once() -> None:
 
 
 # what a calibration must have measured to be used as it is (older files lack the cost of a
-# message between compute, and the all-reduce figures): detect() calibrates again
-_CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps")
+# message between compute, the all-reduce figures and the sync skew): detect() calibrates again
+_CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew")
 
 
 def _calibration_current(path: Path) -> bool:
@@ -405,7 +411,7 @@ class Machine:
                     {"num_devices", "inter_node", "comment", "measured"})
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
-                    {"launch_overhead_s", "backend", "comm_on_cores"})
+                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -421,7 +427,8 @@ class Machine:
         spec = DeviceSpec(dev["kind"], pf, _num(dev, "mem_bw_Bps", "device."),
                           int(_num(dev, "memory_bytes", "device.")),
                           _num(dev, "launch_overhead_s", "device.", zero_ok=True, default=5e-6), backend,
-                          _bool(dev, "comm_on_cores", "device."))
+                          _bool(dev, "comm_on_cores", "device."),
+                          _num(dev, "sync_skew", "device.", zero_ok=True, default=0.0))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
@@ -478,6 +485,9 @@ class Machine:
                          f"{e.latency_s * 1e6:g} us")
         if s.comm_on_cores:
             lines.append("  communication runs on the computing cores: a message or all-reduce holds its devices")
+        if s.sync_skew:
+            lines.append(f"  a synchronisation also costs {s.sync_skew:.1%} of the compute before it "
+                         f"(the ranks' speeds jitter)")
         return "\n".join(lines)
 
 

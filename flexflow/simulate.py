@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from .cost import GRAD_BUCKET_BYTES, CostModel
 from .memory import optimizer_state_copies
 from .schedcore import NO_LIMIT, TaskArrays
@@ -229,8 +231,19 @@ class Simulator:
         and, with communication on the computing cores, the collectives' latencies."""
         extra = int(tg.CLPS.sum())
         if self.ctx.comm_on_cores:
-            extra += self._collective_latency_ps(tg)
+            extra += self._collective_latency_ps(tg) + self._skew_ps(tg)
         return extra
+
+    def _skew_ps(self, tg: TaskGraph) -> int:
+        """Where the ranks' speeds jitter (``sync_skew``), the step's synchronisations wait
+        for the slowest rank: the skew times the compute of the second busiest device (with
+        one device computing, the others wait idle and nothing is lost to jitter)."""
+        skew = self.machine.spec.sync_skew
+        D = self.ctx.D
+        if not skew or D < 2:
+            return 0
+        busy = tg.OPBUSY[:, :D].sum(0) + tg.UBUSY.sum(0)
+        return int(round(skew * float(np.partition(busy, D - 2)[D - 2])))
 
     def _end_ps(self, after_graph_ps: int) -> int:
         free = self._sched.free

@@ -199,6 +199,9 @@ def test_calibration_feeds_cpu_preset():
     assert m.intra_node.bandwidth_Bps == fig["bandwidth_Bps"] and m.intra_node.latency_s == latency
     assert m.intra_node.allreduce_bandwidth_Bps == fig["allreduce_bandwidth_Bps"]
     assert m.intra_node.allreduce_latency_s == fig["allreduce_latency_s"]
+    # the sync skew: the slope of an all-reduce's cost against the compute before it
+    assert 0.0 <= fig["sync_skew"] <= 0.5
+    assert m.spec.sync_skew == (fig["sync_skew"] if on_cores else 0.0)
     assert m.spec.flops("float32") == fig["peak_flops"]["float32"] and m.spec.mem_bw_Bps == fig["mem_bw_Bps"]
     assert m.num_devices == before.num_devices and m.fingerprint() != before.fingerprint()
     two = Machine.preset("cpu", devices=2)

@@ -435,7 +435,31 @@ def test_comm_on_cores_holds_both_ends_and_adds_collective_latency(lenet):
     assert son.simulate(dp).iteration_time >= 2 * lat
 
 
+def test_sync_skew_costs_a_share_of_the_second_busiest_compute(lenet):
+    """With ``sync_skew``, the step's synchronisations wait for the slowest rank: it adds the
+    skew times the compute of the second busiest device, and nothing when one device
+    computes alone."""
+    import dataclasses
+    on, _ = _on_cores(4)
+    skewed = dataclasses.replace(on, spec=dataclasses.replace(on.spec, sync_skew=0.2))
+    assert "sync_skew" not in on.to_dict()["device"] and Machine.from_json(skewed.to_json()) == skewed
+    assert skewed.fingerprint() != on.fingerprint()
+    for make in (Strategy.data_parallel, Strategy.model_parallel, lambda g, m: Strategy.random(g, m, 3)):
+        s = Strategy(lenet, dict(make(lenet, on).items()))
+        plain, sk = Simulator(lenet, on).simulate(s), Simulator(lenet, skewed).simulate(s)
+        sim = Simulator(lenet, skewed)
+        sim.simulate(s)
+        tg = sim._tg
+        busy = sorted((tg.OPBUSY[:, :4].sum(0) + tg.UBUSY.sum(0)).tolist())
+        assert busy[-2] > 0
+        assert sk.iteration_time == pytest.approx(plain.iteration_time + 0.2 * busy[-2] / 1e12, abs=1e-12)
+    one = Strategy(lenet, dict(Strategy.single_device(lenet, on).items()))
+    assert Simulator(lenet, skewed).simulate(one).iteration_time == Simulator(lenet, on).simulate(one).iteration_time
+
+
 def test_delta_equals_full_with_comm_on_cores(lenet, nmt_small):
+    import dataclasses
     on, _ = _on_cores(4)
     _walk(lenet, on, 120, seed=8, validate_every=20)
-    _walk(nmt_small, on, 80, seed=9, optimizer="adam")
+    skewed = dataclasses.replace(on, spec=dataclasses.replace(on.spec, sync_skew=0.15))
+    _walk(nmt_small, skewed, 80, seed=9, optimizer="adam")
