@@ -225,7 +225,7 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
     profile where one exists (:meth:`CostModel.for_machine`)."""
     from .cost import CostModel
     from .profile import profile_graph
-    from .profiledb import device_kind_of
+    from .profiledb import ProfileDB, device_kind_of, device_name
     from .strategy import candidate_configs
     try:
         same = device_kind_of(device) == machine.spec.kind
@@ -234,13 +234,15 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
     if not same or seconds <= 0:
         return CostModel.for_machine(machine), None
     t0 = time.perf_counter()
+    db = ProfileDB.load(device_name(device), device_kind=device_kind_of(device))  # read once for both passes
     first = Strategy.single_device(graph, machine)
     report = profile_graph(graph, device, strategy=Strategy.data_parallel(graph, machine),
-                           configs={op.name: first[op.name] for op in graph.compute_ops}, budget_s=seconds)
+                           configs={op.name: first[op.name] for op in graph.compute_ops}, db=db,
+                           budget_s=seconds)
     left = seconds - (time.perf_counter() - t0)
     if left > 0 and not report.skipped:
         rest = profile_graph(graph, device, configs={op.name: candidate_configs(op, machine)
-                                                     for op in graph.compute_ops}, budget_s=left)
+                                                     for op in graph.compute_ops}, db=db, budget_s=left)
         report.measured += rest.measured
         report.skipped += rest.skipped
         report.errors += rest.errors
@@ -255,9 +257,12 @@ def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd", devi
     within ``PROFILE_SHARE`` of the budget) and the search gets the rest;
     without, the search uses whatever profile of the machine is cached."""
     from .search import search  # the module's function (flexflow.search is the function too)
+    from .cost import CostModel
     t0 = time.perf_counter()
-    cm, _ = host_cost_model(graph, machine, device if device is not None else "cpu",
-                            budget * PROFILE_SHARE if device is not None else 0.0)
+    if device is None:
+        cm = CostModel.for_machine(machine)
+    else:
+        cm, _ = host_cost_model(graph, machine, device, budget * PROFILE_SHARE)
     left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
     found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm)
     dp = found.baselines.get("data_parallel")

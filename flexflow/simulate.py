@@ -236,8 +236,9 @@ class Simulator:
 
     def _skew_ps(self, tg: TaskGraph) -> int:
         """Where the ranks' speeds jitter (``sync_skew``), the step's synchronisations wait
-        for the slowest rank: the skew times the compute of the second busiest device (with
-        one device computing, the others wait idle and nothing is lost to jitter)."""
+        for the slowest rank: the skew times the second largest busy time of the devices'
+        op and update tasks (with one device computing, the others wait idle and nothing is
+        lost to jitter)."""
         skew = self.machine.spec.sync_skew
         D = self.ctx.D
         if not skew or D < 2:
