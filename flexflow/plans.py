@@ -16,6 +16,22 @@ from .taskkeys import _AB, _AMAX, _JB, _PB, PS, B, F, SYNC, SYNC_MODELS, UPD, XB
 __all__ = ["Context"]
 
 
+def _geometry_key(op) -> tuple:
+    """Everything about ``op`` its partitions (``strategy.partitions``: the rule's regions) and
+    its partitions' times (``CostModel.op_time``) may depend on; the name and the producers'
+    names are left out.  Two ops with equal keys get equal plans under equal configs."""
+    tgt = op.target
+    if op.call_kind == "call_module":
+        tgt = (type(tgt).__qualname__, repr(tgt))
+    elif not isinstance(tgt, (str, type(None))):
+        tgt = (getattr(tgt, "__module__", None), getattr(tgt, "__qualname__", None), id(tgt))
+    return (op.kind, op.rule, str(op.dtype), tuple(op.output_shape), tuple(op.dims),
+            tuple(sorted(op.param_shapes.items())), tuple(sorted(op.param_views.items())),
+            tuple(sorted(op.buffer_shapes.items())), tuple(map(tuple, op.input_shapes)),
+            tuple(map(str, op.input_dtypes)), op.input_grads, repr(sorted(op.attrs.items(), key=lambda kv: kv[0])),
+            op.call_kind, tgt, repr(op.args), repr(sorted(op.kwargs.items())))
+
+
 class _SubGraph:
     """Just enough of an OpGraph for param_placement over a few ops."""
 
@@ -109,12 +125,18 @@ class Context:
             raise ValueError(f"the simulator handles at most {(1 << _PB) - 1} devices")
         self.R = D + len(machine.links)
         self.capacity = [d.spec.memory_bytes for d in machine.devices]
+        # ops that only differ in name and in which tensors they read (an unrolled step of a
+        # recurrent layer, a repeated block) have the same partitions under every config and
+        # the same times: their templates and transfer plans are computed once
+        kinds: dict = {}
+        self.kind = [kinds.setdefault(_geometry_key(op), len(kinds)) if not op.everywhere else -1 for op in ops]
         self._tmpl: dict = {}
         self._unit: dict = {}
         self._fuse: dict = {}
         self._update: dict = {}
         self._uprio: dict = {}
         self._edge: dict = {}
+        self._egeo: dict = {}
         self._cluster: dict = {}
         self._route: dict = {}
         self._xfer: dict = {}
@@ -123,7 +145,7 @@ class Context:
 
     # ---- cached plans ---------------------------------------------------------------------
     def template(self, o: int, cfg) -> _Tmpl:
-        key = (o, cfg)
+        key = (self.kind[o], cfg)
         t = self._tmpl.get(key)
         if t is not None:
             return t
@@ -248,6 +270,28 @@ class Context:
         e = self._edge.get(key)
         if e is not None:
             return e
+        gkey = (self.kind[u], self.kind[o], j, cu, co)
+        g = self._egeo.get(gkey)
+        if g is None:
+            g = self._egeo[gkey] = self._edge_geometry(u, o, j, cu, co)
+        e = _EdgePlan()
+        e.recv, e.busy, e.comm, e.identity, e.direct, e.xqk = g.recv, g.busy, g.comm, g.identity, g.direct, g.xqk
+        low = g.fcols[3]
+        if len(low):
+            fp = (((o << 3 | XF) << _JB | j) << 2 * _PB) + low
+            bp = ((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low
+            e.fcols = g.fcols[:3] + (fp.tolist(),)
+            e.bcols = g.bcols[:3] + (bp.tolist(),)
+        else:
+            e.fcols = g.fcols[:3] + ([],)
+            e.bcols = g.bcols[:3] + ([],)
+        self._edge[key] = e
+        return e
+
+    def _edge_geometry(self, u: int, o: int, j: int, cu, co) -> _EdgePlan:
+        """The plan of ``edge_plan`` with the transfers' priority offsets (consumer and producer
+        partition) in place of their priorities: what every edge between ops of the same
+        kinds (``self.kind``) shares under the same configs."""
         opu, opo = self.ops[u], self.ops[o]
         pu, po = partitions(opu, cu), partitions(opo, co)
         validate_config(opu, cu, self.D)
@@ -298,11 +342,8 @@ class Context:
                 used = col >= 0
                 np.add.at(e.busy, col[used], dur[used])
         low = (Kx << _PB) | Qx
-        fp = (((o << 3 | XF) << _JB | j) << 2 * _PB) + low
-        bp = ((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low
-        e.fcols = (fd.tolist(), r1[Ax, Bx].tolist(), rm[Ax, Bx].tolist(), fp.tolist())
-        e.bcols = (bd.tolist(), r1[Bx, Ax].tolist(), rm[Bx, Ax].tolist(), bp.tolist())
-        self._edge[key] = e
+        e.fcols = (fd.tolist(), r1[Ax, Bx].tolist(), rm[Ax, Bx].tolist(), low)
+        e.bcols = (bd.tolist(), r1[Bx, Ax].tolist(), rm[Bx, Ax].tolist(), low)
         return e
 
     @staticmethod

@@ -463,3 +463,43 @@ def test_delta_equals_full_with_comm_on_cores(lenet, nmt_small):
     _walk(lenet, on, 120, seed=8, validate_every=20)
     skewed = dataclasses.replace(on, spec=dataclasses.replace(on.spec, sync_skew=0.15))
     _walk(nmt_small, skewed, 80, seed=9, optimizer="adam")
+
+
+def test_ops_of_one_kind_share_plans_and_give_what_their_own_plans_give(nmt_small):
+    """Unrolled steps of a recurrent layer are one kind (``Context.kind``): they share their
+    templates and transfer geometry.  Every plan so shared equals the plan computed for the op
+    alone (partitions, times, transfers, priorities), over random configs."""
+    from flexflow.plans import Context
+    from flexflow.taskkeys import XB, XF, _prio
+    machine = Machine.preset("p100-cluster", devices=4)
+    cm = CostModel(machine)
+    shared = Context(nmt_small, machine, cm)
+    alone = Context(nmt_small, machine, cm)
+    alone.kind = list(range(len(alone.ops)))  # every op its own kind: nothing shared
+    ops = nmt_small.ops
+    assert len(set(k for k in shared.kind if k >= 0)) < len(shared.compute) / 2  # the steps do share
+    rng = random.Random(0)
+    for o in shared.compute:
+        cs = candidate_configs(ops[o], machine)
+        for cfg in rng.sample(cs, min(3, len(cs))):
+            a, b = shared.template(o, cfg), alone.template(o, cfg)
+            assert (a.devs, a.fwd, a.bwd, a.busy.tolist()) == (b.devs, b.fwd, b.bwd, b.busy.tolist())
+            for j in shared.ext_inputs[o]:
+                u = shared.inputs[o][j]
+                cu = rng.choice(candidate_configs(ops[u], machine))
+                for x, y in [(shared.edge_plan(u, o, j, cu, cfg), alone.edge_plan(u, o, j, cu, cfg))]:
+                    assert x.xqk == y.xqk and x.direct == y.direct and x.identity == y.identity
+                    assert x.fcols == y.fcols and x.bcols == y.bcols and x.comm == y.comm
+                    assert x.recv.tolist() == y.recv.tolist() and x.busy.tolist() == y.busy.tolist()
+                    # the priorities are the consumer's own (op o, input j, partitions k and q)
+                    assert x.fcols[3] == [_prio(o, XF, j, k, q) for q, k in x.xqk]
+                    assert x.bcols[3] == [_prio(o, XB, j, k, q) for q, k in x.xqk]
+    # equal kinds mean equal partitions
+    by_kind = {}
+    for o in shared.compute:
+        by_kind.setdefault(shared.kind[o], []).append(o)
+    for members in by_kind.values():
+        for cfg in candidate_configs(ops[members[0]], machine)[:4]:
+            want = [(p.device, p.output, p.inputs, p.params) for p in partitions(ops[members[0]], cfg)]
+            for o in members[1:]:
+                assert [(p.device, p.output, p.inputs, p.params) for p in partitions(ops[o], cfg)] == want
