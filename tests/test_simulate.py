@@ -503,3 +503,65 @@ def test_ops_of_one_kind_share_plans_and_give_what_their_own_plans_give(nmt_smal
             want = [(p.device, p.output, p.inputs, p.params) for p in partitions(ops[members[0]], cfg)]
             for o in members[1:]:
                 assert [(p.device, p.output, p.inputs, p.params) for p in partitions(ops[o], cfg)] == want
+
+
+def test_ready_queue_dequeues_in_ready_priority_id_order():
+    """The compiled scheduler's bucket queue against a plain heap over (ready, priority, id),
+    on random task graphs full of ties: zero and equal durations, equal and repeated
+    priorities, tasks on several resources, a delta run from the middle."""
+    import heapq
+    from types import SimpleNamespace
+    from flexflow.schedcore import TaskArrays
+    from flexflow.taskkeys import TID_BITS
+
+    def reference(tg, R):
+        n = len(tg.DUR)
+        cnt = [len(p) for p in tg.PRED]
+        succ = [[] for _ in range(n)]
+        for t, ps in enumerate(tg.PRED):
+            for p in ps:
+                succ[p].append(t)
+        ready, fin, free, log = [0] * n, [0] * n, [0] * R, []
+        q = [(0, tg.KP[t] >> TID_BITS, t) for t in range(n) if not cnt[t]]
+        heapq.heapify(q)
+        while q:
+            r, _, t = heapq.heappop(q)
+            res = [tg.RES1[t]] if tg.RES1[t] >= 0 else list(tg.RESM[t])
+            s = max([r] + [free[x] for x in res])
+            fin[t] = s + tg.DUR[t]
+            for x in res:
+                free[x] = fin[t]
+            log.append(t)
+            for c in succ[t]:
+                ready[c] = max(ready[c], fin[t])
+                cnt[c] -= 1
+                if not cnt[c]:
+                    heapq.heappush(q, (ready[c], tg.KP[c] >> TID_BITS, c))
+        return log, fin
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        n, R = rng.randrange(5, 400), rng.randrange(1, 6)
+        dur = [rng.choice([0, 0, 1, 2, 5, 5, 5]) for _ in range(n)]
+        res1, resm = [], []
+        for _ in range(n):
+            k = rng.choice([1, 1, 1, 2, 3])
+            rs = rng.sample(range(R), min(k, R))
+            res1.append(rs[0] if len(rs) == 1 else -1)
+            resm.append(None if len(rs) == 1 else tuple(rs))
+        pred = [tuple(rng.sample(range(t), min(t, rng.choice([0, 1, 1, 2, 3])))) for t in range(n)]
+        prio = [rng.randrange(4) for _ in range(n)]  # many equal priorities: the id decides
+        tg = SimpleNamespace(DUR=dur, RES1=res1, RESM=resm, PRED=pred, ALIVE=[True] * n,
+                             KP=[p << TID_BITS | t for t, p in enumerate(prio)])
+        a = TaskArrays(R)
+        a.load(tg)
+        assert a.run_full()
+        log, fin = reference(tg, R)
+        assert a.log().tolist() == log and a.FIN.tolist() == fin
+        # a delta run after changing one task's duration gives the full run's order too
+        t = rng.randrange(n)
+        tg.DUR[t] += 3
+        a.update(tg, set(), set(), [([t], [tg.DUR[t]], [res1[t]], [resm[t]], [prio[t]])])
+        a.run_delta([], [t], [])
+        log, fin = reference(tg, R)
+        assert a.log().tolist() == log and a.FIN.tolist() == fin
