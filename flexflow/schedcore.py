@@ -359,7 +359,7 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
             o = C[t, ROFF]
             for j in range(o, o + C[t, RLEN]):
                 free[RBUF[j]] = H[t, FIN]
-    # the suffix: every live task outside the prefix
+    # the suffix: every live task outside the prefix, waiting for all its predecessors ...
     stamp += 1
     ns = 0
     for t in range(n):
@@ -370,22 +370,27 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
     _queued_work(SUF[:ns], H, C, RBUF, rem)
     if _over(free, rem, limit):
         return keep, ns, True
+    for x in range(ns):
+        t = SUF[x]
+        H[t, CNT] = C[t, PLEN]
+        H[t, READY] = 0
+    # ... but those in the prefix, which are done (a prefix task's predecessors are all in
+    # the prefix, so walking the prefix's successors finds every such edge once)
+    for i in range(keep):
+        p = LOG[i]
+        f = H[p, FIN]
+        o = H[p, SOFF]
+        for j in range(o, o + H[p, SLEN]):
+            c = SBUF[j]
+            if C[c, MARK] == stamp:
+                H[c, CNT] -= 1
+                if H[c, READY] < f:
+                    H[c, READY] = f
     hn = 0
     INIT = Q[QINIT]
     for x in range(ns):
         t = SUF[x]
-        k = 0
-        rdy = 0
-        o = C[t, POFF]
-        for i in range(o, o + C[t, PLEN]):
-            p = PBUF[i]
-            if C[p, MARK] == stamp:
-                k += 1
-            elif H[p, FIN] > rdy:
-                rdy = H[p, FIN]
-        H[t, CNT] = k
-        H[t, READY] = rdy
-        if k == 0:
+        if H[t, CNT] == 0:
             INIT[hn] = t
             hn += 1
     nlog, stopped = _loop(Q, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, keep)
