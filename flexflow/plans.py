@@ -277,14 +277,8 @@ class Context:
         e = _EdgePlan()
         e.recv, e.busy, e.comm, e.identity, e.direct, e.xqk = g.recv, g.busy, g.comm, g.identity, g.direct, g.xqk
         low = g.fcols[3]
-        if len(low):
-            fp = (((o << 3 | XF) << _JB | j) << 2 * _PB) + low
-            bp = ((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low
-            e.fcols = g.fcols[:3] + (fp.tolist(),)
-            e.bcols = g.bcols[:3] + (bp.tolist(),)
-        else:
-            e.fcols = g.fcols[:3] + ([],)
-            e.bcols = g.bcols[:3] + ([],)
+        e.fcols = g.fcols[:3] + (((((o << 3 | XF) << _JB | j) << 2 * _PB) + low).tolist(),)
+        e.bcols = g.bcols[:3] + ((((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low).tolist(),)
         self._edge[key] = e
         return e
 

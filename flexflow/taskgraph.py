@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from .plans import Context
-from .taskkeys import (KEY_SHIFT, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK,  # noqa: F401 (re-exported)
+from .taskkeys import (KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK,  # noqa: F401 (re-exported)
                        decode_prio)
 from .taskpatch import _Patching
 

@@ -2,8 +2,8 @@
 graph, its plans and the scheduler.
 
 Every task has a canonical priority (op index, kind, input, partitions) that breaks ties the
-same way however the graph was built; the scheduler's heap key is
-``ready << KEY_SHIFT | prio << TID_BITS | tid``."""
+same way however the graph was built; the scheduler dequeues by (ready time, priority, task
+id), the task id kept in the low ``TID_BITS`` of ``TaskGraph.KP`` (``prio << TID_BITS | tid``)."""
 from __future__ import annotations
 
 __all__ = ["PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
@@ -19,9 +19,7 @@ PS = 10**12  # picoseconds per second
 XF, XB, F, B, SYNC, UPD = range(6)
 KIND_NAMES = ("xfer", "xfer-grad", "fwd", "bwd", "sync", "update")
 _JB, _PB, _AB = 10, 10, 16  # bits: input index, partition index, op/param/cluster index
-PRIO_BITS = _AB + 3 + _JB + 2 * _PB
 TID_BITS = 24
-KEY_SHIFT = PRIO_BITS + TID_BITS  # heap key = ready << KEY_SHIFT | prio << TID_BITS | tid
 TID_MASK = (1 << TID_BITS) - 1
 
 
