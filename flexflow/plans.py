@@ -46,8 +46,8 @@ class _Tmpl:
 
 class _EdgePlan:
     """Producer u -> consumer o input j under a config pair: same-device pairs (direct), the
-    transfers as task columns (fcols / bcols, pairs xqk), bytes received per device, busy row."""
-    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xqk", "fcols", "bcols")
+    transfers as task columns (fcols / bcols, producer and consumer partitions xq, xk), bytes received per device, busy row."""
+    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xq", "xk", "fcols", "bcols")
 
 
 class _ClusterPlan:
@@ -137,6 +137,8 @@ class Context:
         self._uprio: dict = {}
         self._edge: dict = {}
         self._egeo: dict = {}
+        self._obox: dict = {}  # (producer kind, config) -> output boxes (_out_boxes)
+        self._ibox: dict = {}  # (consumer kind, config, input) -> regions read (_in_boxes)
         self._cluster: dict = {}
         self._route: dict = {}
         self._xfer: dict = {}
@@ -275,7 +277,8 @@ class Context:
         if g is None:
             g = self._egeo[gkey] = self._edge_geometry(u, o, j, cu, co)
         e = _EdgePlan()
-        e.recv, e.busy, e.comm, e.identity, e.direct, e.xqk = g.recv, g.busy, g.comm, g.identity, g.direct, g.xqk
+        e.recv, e.busy, e.comm, e.identity, e.direct = g.recv, g.busy, g.comm, g.identity, g.direct
+        e.xq, e.xk = g.xq, g.xk
         low = g.fcols[3]
         e.fcols = g.fcols[:3] + (((((o << 3 | XF) << _JB | j) << 2 * _PB) + low).tolist(),)
         e.bcols = g.bcols[:3] + ((((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low).tolist(),)
@@ -286,24 +289,19 @@ class Context:
         """The plan of ``edge_plan`` with the transfers' priority offsets (consumer and producer
         partition) in place of their priorities: what every edge between ops of the same
         kinds (``self.kind``) shares under the same configs."""
-        opu, opo = self.ops[u], self.ops[o]
-        pu, po = partitions(opu, cu), partitions(opo, co)
-        validate_config(opu, cu, self.D)
-        validate_config(opo, co, self.D)
-        nd = len(opu.output_shape)
-        by_box: dict[tuple, list[int]] = {}
-        for q, p in enumerate(pu):
-            by_box.setdefault(tuple((s.start, s.stop) for s in p.output), []).append(q)
-        bpe = dtype_bytes(opu.dtype)
-        boxes = sorted(by_box)
-        K, BX, N = self._overlaps(pu, po, j, nd, boxes)
-        if all(len(by_box[b]) == 1 for b in boxes):  # one producer per box: vectorised
-            Q = np.array([by_box[b][0] for b in boxes], np.int64)[BX] if len(boxes) else BX
+        pu, boxes, by_box, single, lo, hi, devu, bpe = self._out_boxes(u, cu)
+        po, ks, rlo, rhi, devo = self._in_boxes(o, co, j)
+        if rlo is None:  # not expected: the plain intersection
+            K, BX, N = self._overlaps_slow(po, ks, j, boxes)
+        else:
+            K, BX, N = self._overlaps(ks, rlo, rhi, lo, hi)
+        if single is not None:  # one producer per box: vectorised
+            Q = single[BX]
         else:  # replicas read one copy (pick_replica); partial sums are all read
             partial = pu[0].partial
             qs_l, ks_l, ns_l = [], [], []
             for k, bx, n in zip(K.tolist(), BX.tolist(), N.tolist()):
-                qs = by_box[boxes[bx]]
+                qs = by_box[bx]
                 if len(qs) > 1 and not partial:
                     qs = (pick_replica(qs, pu, po[k].device, k),)
                 for q in qs:
@@ -312,18 +310,19 @@ class Context:
                     ns_l.append(n)
             Q, K, N = (np.array(x, np.int64) for x in (qs_l, ks_l, ns_l))
         NB = N * bpe
-        A = np.array([p.device for p in pu], np.int64)[Q]
-        Bd = np.array([p.device for p in po], np.int64)[K]
+        A = devu[Q]
+        Bd = devo[K]
         cross = A != Bd
         e = _EdgePlan()
         e.recv = np.zeros(self.D, np.int64)
         e.busy = np.zeros(self.R, np.int64)
         same = ~cross
-        e.direct = list(zip(Q[same].tolist(), K[same].tolist(), [-1] * int(same.sum()), [-1] * int(same.sum())))
-        e.identity = (len(pu) == len(po) and len(Q) == len(po) and not cross.any()
+        n_same = int(same.sum())
+        e.direct = list(zip(Q[same].tolist(), K[same].tolist(), [-1] * n_same, [-1] * n_same))
+        e.identity = (len(pu) == len(po) and len(Q) == len(po) and n_same == len(Q)
                       and bool((Q == np.arange(len(Q))).all() and (K == Q).all()))
         Qx, Kx, NBx, Ax, Bx = Q[cross], K[cross], NB[cross], A[cross], Bd[cross]
-        e.xqk = list(zip(Qx.tolist(), Kx.tolist()))
+        e.xq, e.xk = Qx.tolist(), Kx.tolist()
         e.comm = 2 * int(NBx.sum())
         np.add.at(e.recv, Bx, NBx)
         _, _, r1, rm, pad = self._transfer_tables()
@@ -340,32 +339,76 @@ class Context:
         e.bcols = (bd.tolist(), r1[Bx, Ax].tolist(), rm[Bx, Ax].tolist(), low)
         return e
 
-    @staticmethod
-    def _overlaps(pu, po, j: int, nd: int, boxes: list):
-        """Arrays (consumer partition k, index into ``boxes``, elements) for every producer
-        output box that overlaps what k reads of input j, k-major and boxes in order."""
-        regs = [pk.inputs[j] for pk in po]
-        ks = [k for k, r in enumerate(regs) if r is not None]
-        empty = np.zeros(0, np.int64)
-        if not ks or not boxes:
-            return empty, empty, empty
-        if any(len(regs[k]) != nd for k in ks):  # not expected: the plain intersection
-            out = []
-            for k in ks:
-                for bx, box in enumerate(boxes):
-                    ov = overlap(regs[k], tuple(slice(a, b) for a, b in box))
-                    n = 0 if ov is None else region_numel(ov)
-                    if n > 0:
-                        out.append((k, bx, n))
-            return tuple(np.array(x, np.int64).reshape(-1) for x in zip(*out)) if out else (empty, empty, empty)
+    def _out_boxes(self, u: int, cu):
+        """Producer side of ``_edge_geometry``, per (kind, config): the partitions, their
+        distinct output boxes in order, the partitions per box, for one producer per box an
+        array box -> partition (else None), the boxes' corners, the partitions' devices and
+        the element size."""
+        key = (self.kind[u], cu) if self.kind[u] >= 0 else ("op", u, cu)
+        hit = self._obox.get(key)
+        if hit is not None:
+            return hit
+        opu = self.ops[u]
+        pu = partitions(opu, cu)
+        validate_config(opu, cu, self.D)
+        nd = len(opu.output_shape)
+        groups: dict[tuple, list[int]] = {}
+        for q, p in enumerate(pu):
+            groups.setdefault(tuple((s.start, s.stop) for s in p.output), []).append(q)
+        boxes = sorted(groups)
+        by_box = [groups[b] for b in boxes]
+        single = np.array([qs[0] for qs in by_box], np.int64) if all(len(qs) == 1 for qs in by_box) else None
         lo = np.array([[iv[0] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
         hi = np.array([[iv[1] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
-        rlo = np.array([[x.start for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
-        rhi = np.array([[x.stop for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+        devu = np.array([p.device for p in pu], np.int64)
+        hit = self._obox[key] = (pu, boxes, by_box, single, lo, hi, devu, dtype_bytes(opu.dtype))
+        return hit
+
+    def _in_boxes(self, o: int, co, j: int):
+        """Consumer side of ``_edge_geometry``, per (kind, config, input): the partitions,
+        those that read input j, the corners of what they read (None where a region's rank
+        is not the producer's), the partitions' devices."""
+        key = (self.kind[o], co, j) if self.kind[o] >= 0 else ("op", o, co, j)
+        hit = self._ibox.get(key)
+        if hit is not None:
+            return hit
+        opo = self.ops[o]
+        po = partitions(opo, co)
+        validate_config(opo, co, self.D)
+        nd = len(self.ops[self.inputs[o][j]].output_shape)
+        regs = [pk.inputs[j] for pk in po]
+        ks = [k for k, r in enumerate(regs) if r is not None]
+        rlo = rhi = None
+        if all(len(regs[k]) == nd for k in ks):
+            rlo = np.array([[x.start for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+            rhi = np.array([[x.stop for x in regs[k]] for k in ks], np.int64).reshape(len(ks), nd)
+        devo = np.array([p.device for p in po], np.int64)
+        hit = self._ibox[key] = (po, np.array(ks, np.int64), rlo, rhi, devo)
+        return hit
+
+    @staticmethod
+    def _overlaps(ks, rlo, rhi, lo, hi):
+        """Arrays (consumer partition k, box index, elements) for every producer output box
+        (corners lo, hi) that overlaps what k reads (corners rlo, rhi, partitions ks),
+        k-major and boxes in order."""
         ln = np.minimum(hi[None], rhi[:, None]) - np.maximum(lo[None], rlo[:, None])
         num = np.clip(ln, 0, None).prod(axis=2)
         kk, bb = np.nonzero(num)
-        return np.array(ks, np.int64)[kk], bb.astype(np.int64), num[kk, bb].astype(np.int64)
+        return ks[kk], bb.astype(np.int64), num[kk, bb].astype(np.int64)
+
+    @staticmethod
+    def _overlaps_slow(po, ks, j: int, boxes: list):
+        """``_overlaps`` by plain intersection, for regions whose rank differs from the boxes'."""
+        out = []
+        for k in ks.tolist():
+            reg = po[k].inputs[j]
+            for bx, box in enumerate(boxes):
+                ov = overlap(reg, tuple(slice(a, b) for a, b in box))
+                n = 0 if ov is None else region_numel(ov)
+                if n > 0:
+                    out.append((k, bx, n))
+        empty = np.zeros(0, np.int64)
+        return tuple(np.array(x, np.int64).reshape(-1) for x in zip(*out)) if out else (empty, empty, empty)
 
     def ps_sync_ps(self, devices, nbytes: int) -> int:
         """Parameter-server sync of one gradient among ``devices``: every other replica sends

@@ -73,6 +73,9 @@ class ParallelConfig:
     def __setattr__(self, k, v):
         raise AttributeError("ParallelConfig is frozen")
 
+    def __reduce__(self):  # pickle (multiprocessing) through the checked constructor
+        return ParallelConfig, (dict(self._degrees), self._devices)
+
     @property
     def degrees(self) -> dict[str, int]:
         return dict(self._degrees)

@@ -202,11 +202,11 @@ class TaskGraph(_Patching):
         plan = self.EPLAN[o][j] = ctx.edge_plan(u, o, j, self.cfg[u], self.cfg[o])
         uF, uB, oF, oB = self.FT[u], self.BT[u], self.FT[o], self.BT[o]
         rec = list(plan.direct)
-        if plan.xqk:
+        if plan.xq:
             xf = self._alloc(*plan.fcols)
             xb = self._alloc(*plan.bcols)
             PRED, setp = self.PRED, self._set_pred
-            for (q, k), f, b in zip(plan.xqk, xf, xb):
+            for q, k, f, b in zip(plan.xq, plan.xk, xf, xb):
                 if link:
                     setp(f, [uF[q]])
                     setp(b, [oB[k]])

@@ -488,12 +488,12 @@ def test_ops_of_one_kind_share_plans_and_give_what_their_own_plans_give(nmt_smal
                 u = shared.inputs[o][j]
                 cu = rng.choice(candidate_configs(ops[u], machine))
                 for x, y in [(shared.edge_plan(u, o, j, cu, cfg), alone.edge_plan(u, o, j, cu, cfg))]:
-                    assert x.xqk == y.xqk and x.direct == y.direct and x.identity == y.identity
+                    assert x.xq == y.xq and x.xk == y.xk and x.direct == y.direct and x.identity == y.identity
                     assert x.fcols == y.fcols and x.bcols == y.bcols and x.comm == y.comm
                     assert x.recv.tolist() == y.recv.tolist() and x.busy.tolist() == y.busy.tolist()
                     # the priorities are the consumer's own (op o, input j, partitions k and q)
-                    assert x.fcols[3] == [_prio(o, XF, j, k, q) for q, k in x.xqk]
-                    assert x.bcols[3] == [_prio(o, XB, j, k, q) for q, k in x.xqk]
+                    assert x.fcols[3] == [_prio(o, XF, j, k, q) for q, k in zip(x.xq, x.xk)]
+                    assert x.bcols[3] == [_prio(o, XB, j, k, q) for q, k in zip(x.xq, x.xk)]
     # equal kinds mean equal partitions
     by_kind = {}
     for o in shared.compute:

@@ -1,6 +1,7 @@
 """Strategy space: configs, partitions tiling outputs, stitching equals the
 whole op (uneven shapes), built-ins, JSON round trip and refusal."""
 import json
+import pickle
 import random
 
 import pytest
@@ -129,6 +130,8 @@ def test_config_validation_and_str():
         ParallelConfig({"n": 2}, (1, 1))
     with pytest.raises(AttributeError):
         c.devices = (0,)
+    back = pickle.loads(pickle.dumps(c))  # as multiprocessing sends it
+    assert back == c and hash(back) == hash(c) and back.devices == c.devices
     g = ff.trace(*ff.models.get("lenet", size="small"))
     with pytest.raises(StrategyError, match="cannot split dim 'q'"):
         Strategy.data_parallel(g, P100_4).replace("conv1", ParallelConfig({"q": 2}, (0, 1)))
