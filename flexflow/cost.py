@@ -47,6 +47,22 @@ EFFICIENCY_RANGE = (0.01, 1.0)  # fitted efficiencies are clipped to this range
 _POSITION_ATTRS = ("spans", "fixed", "offsets", "offset")
 
 
+def _op_key(op: Op) -> tuple:
+    """The parts of ``CostModel.key`` that depend on the op alone, computed once per op
+    (again if its input gradients are set afterwards, as OpGraph does)."""
+    held = op.__dict__.get("_cost_key")
+    if held is not None and held[0] is op.input_grads:
+        return held[1]
+    attrs = tuple(sorted((k, repr(v)) for k, v in op.attrs.items() if k not in _POSITION_ATTRS))
+    in_dtypes = tuple(str(d).removeprefix("torch.") for d in op.input_dtypes)
+    # floating inputs that get no gradient (an image batch): their backward is cheaper
+    nograd = tuple(i for i, dt in enumerate(op.input_dtypes)
+                   if dt.is_floating_point and not op.input_needs_grad(i))
+    parts = ((op.kind, op.rule, str(op.dtype)), attrs, (in_dtypes,) + ((("nograd",) + nograd,) if nograd else ()))
+    op.__dict__["_cost_key"] = (op.input_grads, parts)
+    return parts
+
+
 def partition_flops(op: Op, part) -> float:
     """Forward FLOPs of one partition (analytic, from the op rule)."""
     return float(RULES[op.rule].flops(op, part.block))
@@ -220,13 +236,8 @@ class CostModel:
         ins = tuple(None if r is None else tuple(s.stop - s.start for s in r) for r in part.inputs)
         ps = tuple(sorted((k, tuple(s.stop - s.start for s in r)) for k, r in part.params.items()))
         out = tuple(s.stop - s.start for s in part.output)
-        attrs = tuple(sorted((k, repr(v)) for k, v in op.attrs.items() if k not in _POSITION_ATTRS))
-        in_dtypes = tuple(str(d).removeprefix("torch.") for d in op.input_dtypes)
-        key = (op.kind, op.rule, str(op.dtype), out, ins, ps, attrs, in_dtypes)
-        # floating inputs that get no gradient (an image batch): their backward is cheaper
-        nograd = tuple(i for i, dt in enumerate(op.input_dtypes)
-                       if dt.is_floating_point and not op.input_needs_grad(i))
-        return key + (("nograd",) + nograd,) if nograd else key
+        head, attrs, tail = _op_key(op)
+        return head + (out, ins, ps, attrs) + tail
 
     def _lookup(self, op: Op, part, spec):
         if self.profile is None or op.everywhere:

@@ -303,6 +303,13 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
     cache = op.__dict__.setdefault("_candidates", {})
     if D in cache:
         return cache[D]
+    # the configs depend only on the dims' names and sizes and whether a sample dim
+    # exists: ops alike (every unrolled step of a layer) share one list
+    shared = (tuple((d.name, d.size) for d in op.dims), op.parallel_dims.get("n") != "sample", D)
+    hit = _CANDIDATES.get(shared)
+    if hit is not None:
+        cache[D] = hit
+        return hit
     per_dim = [[(d.name, k) for k in _pow2_upto(min(d.size, D))] for d in op.dims]
     out = []
     for combo in itertools.product(*per_dim):
@@ -316,8 +323,11 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
         for p in _pow2_upto(D)[1:]:
             for start in range(0, D - p + 1, p):
                 out.append(ParallelConfig({REPLICA: p}, range(start, start + p)))
-    cache[D] = out
+    cache[D] = _CANDIDATES[shared] = out
     return out
+
+
+_CANDIDATES: dict = {}  # (dims' names and sizes, no sample dim, devices) -> configs
 
 
 def strategy_space_log10(graph: OpGraph, machine) -> float:

@@ -1,6 +1,7 @@
 """Operator profiler and cost model: cache hits, concurrent processes, corrupt cache
 recovery, analytic FLOP counts against hand counts, measured times that grow with the
 shape, distinct ops listed once, measured-vs-analytic sources, package fallback."""
+import dataclasses
 import json
 import multiprocessing as mp
 
@@ -347,3 +348,32 @@ def test_host_cost_model_stops_at_its_time(cache):
     assert rep.measured <= 1 and rep.skipped > 0
     assert "skipped (out of time)" in rep.table()
     assert any(e.get("skipped") for e in rep.ops)
+
+
+def test_cost_key_follows_input_gradients_set_after_the_first_key():
+    """An op's own part of the cost key is kept per op, but not across a change of
+    which inputs get gradients (OpGraph sets that after building the op)."""
+    import dataclasses
+    g = ff.trace(*ff.models.get("alexnet", size="small", device="meta"))
+    conv = g.op("conv1")
+    assert not conv.input_needs_grad(0)  # the image batch
+    cm = CostModel(ff.Machine.preset("cpu", devices=1))
+    part = partitions(conv, whole_config(conv))[0]
+    lone = dataclasses.replace(conv, input_grads=None)  # every floating input needs a gradient
+    k_lone = cm.key(lone, part)
+    assert k_lone != cm.key(conv, part)
+    lone.input_grads = conv.input_grads
+    assert cm.key(lone, part) == cm.key(conv, part)
+
+
+def test_ops_alike_share_candidate_configs():
+    from flexflow.strategy import _CANDIDATES, candidate_configs
+    g = ff.trace(*ff.models.get("rnnlm", size="small", device="meta"))
+    m = ff.Machine.preset("cpu", devices=4)
+    cells = [op for op in g.compute_ops if op.name.startswith("cells_")]
+    first = candidate_configs(cells[0], m)
+    for op in cells[1:]:
+        assert candidate_configs(op, m) is first
+    _CANDIDATES.clear()  # computed afresh: the same configs
+    fresh = candidate_configs(dataclasses.replace(cells[-1]), m)  # (a new op: no cache of its own)
+    assert fresh == first and fresh is not first

@@ -154,6 +154,18 @@ class _OptCNN:
                 a[k, 1] = [s.stop for s in r]
         return a
 
+    def _slowest_in(self, devices) -> tuple[np.ndarray, np.ndarray]:
+        """Per device d, the latency and inverse bandwidth of the slowest route into d from
+        ``devices`` other than d (0 where there is none).  A device's route to itself is
+        empty (0 in both tables) and no entry is negative, so the maximum over all of
+        ``devices`` is the maximum over the others."""
+        key = ("in", devices)
+        hit = self._cache.get(key)
+        if hit is None:
+            srcs = list(devices)
+            hit = self._cache[key] = (self.lat[srcs].max(0), self.inv_bw[srcs].max(0))
+        return hit
+
     def _edge(self, u: Op, v: Op, idx: int, dom_u, dom_v) -> np.ndarray:
         key = ("edge", self._sig(u), self._sig(v), idx, tuple(dom_u), tuple(dom_v))
         if key in self._cache:
@@ -177,14 +189,7 @@ class _OptCNN:
             on = np.full(D, -1)
             on[list(cu.devices)] = np.arange(cu.num_partitions)  # device -> producer partition
             partial = math.prod(cu.degree(d) for d in reduction)
-            srcs = np.array(cu.devices)
-            lat_in = np.zeros(D)  # slowest route into each device from the producer's devices
-            inv_in = np.zeros(D)
-            for d in range(D):
-                others = srcs[srcs != d]
-                if len(others):
-                    lat_in[d] = self.lat[others, d].max()
-                    inv_in[d] = self.inv_bw[others, d].max()
+            lat_in, inv_in = self._slowest_in(cu.devices)
             for js, cb, need, cdev in cons:
                 q = on[cdev]  # (J, P') producer partition on the consumer's device, or -1
                 own = pb[np.maximum(q, 0)]  # (J, P', 2, A)
