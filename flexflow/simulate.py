@@ -285,12 +285,9 @@ class Simulator:
 
 @contextlib.contextmanager
 def paused_gc():
-    """The cyclic garbage collector off for the block (as it was before, after it).
-
-    A simulation allocates many small lists, and the plans cached at 64 devices hold
-    millions of objects: each full collection rescans all of them (about a second when
-    several models' plans are cached), and nothing a simulation or a search step makes
-    needs it (reference counting frees it)."""
+    """The cyclic garbage collector off for the block (as it was before, after it): a
+    simulation allocates many small lists, which the collector would rescan over and over,
+    and nothing it makes needs the collector (reference counting frees it)."""
     if not gc.isenabled():
         yield
         return
@@ -299,6 +296,23 @@ def paused_gc():
         yield
     finally:
         gc.enable()
+
+
+@contextlib.contextmanager
+def no_full_collections():
+    """No full (oldest-generation) collections in the block; younger ones as usual.
+
+    The plans cached for large machines hold millions of objects, more so when several
+    models were searched in one process, and each full collection rescans all of them
+    (about a second) for nothing: they live as long as their cost model.  Young objects
+    are still collected as they go, so the block leaves no burst of work behind."""
+    t0, t1, t2 = gc.get_threshold()
+    gc.set_threshold(t0, t1, 1 << 30)
+    try:
+        yield
+    finally:
+        if gc.get_threshold() == (t0, t1, 1 << 30):  # (unless someone set their own since)
+            gc.set_threshold(t0, t1, t2)
 
 
 class _Schedule:

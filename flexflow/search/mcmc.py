@@ -9,7 +9,7 @@ import time
 from ..bound import LoadBound
 from ..cost import CostModel
 from ..ir import OpGraph
-from ..simulate import paused_gc
+from ..simulate import no_full_collections
 from ..strategy import Strategy
 from ..taskkeys import PS
 from .baselines import baseline_strategies
@@ -23,19 +23,16 @@ _LAGGING = 1.5  # ... when its cost is more than this times the best chain's
 _OVERHEAD_TASKS = 200  # a proposal's fixed cost, in tasks, for the turn taking
 
 
-def _gc_paused(fn):
-    """``fn`` with the cyclic collector off (``simulate.paused_gc``): a search allocates
-    plans and strategies at a high rate, and every full collection would rescan the
-    millions of objects the plans of large machines hold, for nothing (reference counting
-    frees what a search step drops)."""
+def _no_full_collections(fn):
+    """``fn`` without full garbage collections (``simulate.no_full_collections``)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with paused_gc():
+        with no_full_collections():
             return fn(*args, **kwargs)
     return run
 
 
-@_gc_paused
+@_no_full_collections
 def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_model=None, *,
            evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
