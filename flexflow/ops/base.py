@@ -62,11 +62,18 @@ def block_range(op: Op, block: Block, name: str) -> tuple[int, int]:
 
 def out_region(op: Op, block: Block) -> Region:
     """Output region of a partition: split axes sliced, others whole."""
-    region = [slice(0, s) for s in op.output_shape]
-    for d in op.dims:
-        if d.axis is not None and d.name in block:
-            a, b = block[d.name]
-            region[d.axis] = slice(a, b)
+    held = op.__dict__.get("_out_axes")
+    if held is None or held[0] is not op.dims or held[1] is not op.output_shape:  # (once per op)
+        held = op.__dict__["_out_axes"] = (op.dims, op.output_shape,
+                                          tuple(slice(0, s) for s in op.output_shape),
+                                          tuple((d.name, d.axis) for d in op.dims if d.axis is not None))
+    if not block:
+        return held[2]
+    region = list(held[2])
+    for name, axis in held[3]:
+        r = block.get(name)
+        if r is not None:
+            region[axis] = slice(r[0], r[1])
     return tuple(region)
 
 
