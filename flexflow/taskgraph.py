@@ -205,14 +205,13 @@ class TaskGraph(_Patching):
         if plan.xq:
             xf = self._alloc(*plan.fcols)
             xb = self._alloc(*plan.bcols)
-            PRED, setp = self.PRED, self._set_pred
+            PRED = self.PRED
             for q, k, f, b in zip(plan.xq, plan.xk, xf, xb):
-                if link:
-                    setp(f, [uF[q]])
-                    setp(b, [oB[k]])
-                else:
-                    PRED[f], PRED[b] = (uF[q],), (oB[k],)
+                PRED[f], PRED[b] = (uF[q],), (oB[k],)
                 rec.append((q, k, f, b))
+            if link:  # (new tasks: their predecessors changed from none)
+                self._repred.update(xf)
+                self._repred.update(xb)
         self.EDGES[o][j] = rec
 
     def _make_syncs(self, c: int, link: bool) -> None:

@@ -49,13 +49,16 @@ class _Patching:
         self._newcols.append((tids, durs, r1s, rms, prios))
         return tids
 
-    def _kill(self, t: int) -> None:
-        """Mark t dead (the scheduler's arrays drop it from its predecessors' successors)."""
-        self.ALIVE[t] = False
-        self.PRED[t] = ()
-        self._dead.append(t)
-        self._killed.add(t)
-        self._repred.add(t)  # (its predecessor row empties)
+    def _kill(self, ts) -> None:
+        """Mark tasks ``ts`` dead (the scheduler's arrays drop them from their predecessors'
+        successors)."""
+        ALIVE, PRED = self.ALIVE, self.PRED
+        for t in ts:
+            ALIVE[t] = False
+            PRED[t] = ()
+        self._dead.extend(ts)
+        self._killed.update(ts)
+        self._repred.update(ts)  # (their predecessor rows empty)
 
     def _set_pred(self, t: int, new) -> bool:
         """Replace t's predecessors; True if they changed.  Predecessors may repeat (an op
@@ -132,30 +135,26 @@ class _Patching:
         upd_units = {h for h in new_heads if h not in kept}
         upd_units.update(unit[ctx.clusters[c][0][0]] for c in clusters)
         # kill what the change touches
-        kill = self._kill
+        kill = []
         for o, j in edges:
             rec = self.EDGES[o][j]
             if rec:
                 for _, _, xf, xb in rec:
                     if xf >= 0:
-                        kill(xf)
-                        kill(xb)
+                        kill.append(xf)
+                        kill.append(xb)
         for h in old_units:
             if h not in kept:
-                for t in self.FT[h]:
-                    kill(t)
-                for t in self.BT[h]:
-                    kill(t)
-                for t in self.UPDT[h].values():
-                    kill(t)
+                kill += self.FT[h]
+                kill += self.BT[h]
+                kill += self.UPDT[h].values()
                 self.UPDT[h] = {}
         for h in upd_units:
             if self.UPDT[h]:
-                for t in self.UPDT[h].values():
-                    kill(t)
+                kill += self.UPDT[h].values()
         for c in clusters:
-            for t in self.SYNCT[c]:
-                kill(t)
+            kill += self.SYNCT[c]
+        self._kill(kill)
         for h in old_units:  # heads that are no longer heads
             if unit[h] != h:
                 self.UPDT[h] = {}
@@ -175,15 +174,23 @@ class _Patching:
         pb.update(unit[ctx.inputs[o][j]] for o, j in edges)
         born = set(self._born)
         dirty = []
-        setp = self._set_pred
+        PRED, repred = self.PRED, self._repred
         for h in pf:
             for t, p in zip(self.FT[h], self._f_pred(h)):
-                if setp(t, p) and t not in born:
-                    dirty.append(t)
+                p = tuple(p)
+                if PRED[t] != p:  # (_set_pred, inline)
+                    PRED[t] = p
+                    repred.add(t)
+                    if t not in born:
+                        dirty.append(t)
         for h in pb:
             for t, p in zip(self.BT[h], self._b_pred(h)):
-                if setp(t, p) and t not in born:
-                    dirty.append(t)
+                p = tuple(p)
+                if PRED[t] != p:
+                    PRED[t] = p
+                    repred.add(t)
+                    if t not in born:
+                        dirty.append(t)
         for o in r_set.union(o for o, _ in edges):
             self._rows(o)
         live, cfg = ctx.live, self.cfg
