@@ -93,6 +93,7 @@ class Context:
             for m in members:
                 self.group_of[idx[m]] = len(self.groups)
             self.groups.append([idx[m] for m in members])
+        self.group_reps = [(ms[0], ops[ms[0]].name) for ms in self.groups]  # (op index, name) per group
         # parameter clusters: parameters (and buffers) used by the same set of ops
         users: dict[str, list[int]] = {}
         first: dict[str, tuple[int, str]] = {}

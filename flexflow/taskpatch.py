@@ -89,14 +89,17 @@ class _Patching:
 
     # ---- delta ----------------------------------------------------------------------------
     def changed_groups(self, strategy) -> list[int]:
-        ctx, cfg, out = self.ctx, self.cfg, []
-        ops = ctx.ops
-        for g, members in enumerate(ctx.groups):
-            o = members[0]
-            new = strategy[ops[o].name]
+        """Share groups whose config in ``strategy`` differs from the current one."""
+        cfg, out = self.cfg, []
+        get = getattr(strategy, "_configs", strategy).__getitem__  # (a Strategy's own dict: no Mapping layer)
+        for g, (o, name) in enumerate(self.ctx.group_reps):
+            new = get(name)
             old = cfg[o]
-            if new is not old and new != old:
-                out.append(g)
+            if new is not old:
+                if new == old:
+                    cfg[o] = new  # an equal config: held from now on, so the next test is by identity
+                else:
+                    out.append(g)
         return out
 
     def patch(self, strategy, groups: list[int]):
