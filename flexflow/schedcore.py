@@ -123,7 +123,10 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
     """Dequeue in (ready, priority, id) order, starting from the ``ninit`` tasks in
     Q[QINIT] (ready at H[t, READY]), until the queue is empty, or until some resource r
     proves the graph cannot end by ``limit``: it is busy until free[r] and still has rem[r]
-    of work queued (free[r] + rem[r] > limit).  Returns (new log length, stopped early)."""
+    of work queued (free[r] + rem[r] > limit).  Returns (new log length, stopped early).
+    Without a limit (NO_LIMIT) the queued work is not kept (the callers leave rem unset):
+    a complete run is about a tenth faster."""
+    track = limit < NO_LIMIT
     NX, TL, ORD, HK, CUR = Q[QNEXT], Q[QTAIL], Q[QORD], Q[QKEY], Q[QCUR]
     K, K2, T2, INIT = Q[QK], Q[QK2], Q[QT2], Q[QINIT]
     # the first buckets: the initial tasks grouped by ready time (ascending: a valid heap)
@@ -195,9 +198,10 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
                 s = f
             e = s + d
             free[r] = e
-            left = rem[r] - d
-            rem[r] = left
-            over = e + left > limit
+            if track:
+                left = rem[r] - d
+                rem[r] = left
+                over = e + left > limit
         else:
             o = C[t, ROFF]
             m = C[t, RLEN]
@@ -209,10 +213,11 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
             for i in range(o, o + m):
                 q = RBUF[i]
                 free[q] = e
-                left = rem[q] - d
-                rem[q] = left
-                if e + left > limit:
-                    over = True
+                if track:
+                    left = rem[q] - d
+                    rem[q] = left
+                    if e + left > limit:
+                        over = True
         row[FIN] = e
         LOG[nlog] = t
         LOGR[nlog] = rdy
@@ -301,9 +306,10 @@ def _run_full(n, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, Q, SUF):
         if C[t, ALIVE]:
             SUF[ns] = t
             ns += 1
-    _queued_work(SUF[:ns], H, C, RBUF, rem)
-    if _over(free, rem, limit):
-        return 0, True
+    if limit < NO_LIMIT:
+        _queued_work(SUF[:ns], H, C, RBUF, rem)
+        if _over(free, rem, limit):
+            return 0, True
     INIT = Q[QINIT]
     for t in range(n):
         if C[t, ALIVE] and C[t, PLEN] == 0:
@@ -375,9 +381,10 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
             C[t, MARK] = stamp
             SUF[ns] = t
             ns += 1
-    _queued_work(SUF[:ns], H, C, RBUF, rem)
-    if _over(free, rem, limit):
-        return keep, ns, True
+    if limit < NO_LIMIT:
+        _queued_work(SUF[:ns], H, C, RBUF, rem)
+        if _over(free, rem, limit):
+            return keep, ns, True
     for x in range(ns):
         t = SUF[x]
         H[t, CNT] = C[t, PLEN]
