@@ -144,6 +144,16 @@ class _OptCNN:
             self._cache[key] = np.array([_sync_time_s(self.machine, op, c, self._parts(op, c)) for c in dom])
         return self._cache[key]
 
+    def _part_boxes(self, op: Op, cfg, idx, rank) -> np.ndarray:
+        """``_boxes`` of the partitions' input ``idx`` regions (None: their outputs), shared
+        by ops of one signature."""
+        key = ("boxes", self._sig(op), cfg, idx)
+        hit = self._cache.get(key)
+        if hit is None:
+            parts = self._parts(op, cfg)
+            hit = self._cache[key] = self._boxes([p.output if idx is None else p.inputs[idx] for p in parts], rank)
+        return hit
+
     @staticmethod
     def _boxes(regions, rank) -> np.ndarray:
         """(P, 2, rank) int array of [start, stop) per axis; None -> empty box."""
@@ -179,13 +189,12 @@ class _OptCNN:
             by_count.setdefault(c.num_partitions, []).append(j)
         cons = []
         for js in by_count.values():
-            boxes = np.stack([self._boxes([p.inputs[idx] for p in self._parts(v, dom_v[j])], rank)
-                              for j in js])  # (J, P', 2, A)
+            boxes = np.stack([self._part_boxes(v, dom_v[j], idx, rank) for j in js])  # (J, P', 2, A)
             need = np.clip(boxes[:, :, 1] - boxes[:, :, 0], 0, None).prod(-1)  # (J, P')
             cons.append((js, boxes, need, np.array([dom_v[j].devices for j in js])))
         reduction = {d.name for d in u.dims if d.axis is None}
         for i, cu in enumerate(dom_u):
-            pb = self._boxes([p.output for p in self._parts(u, cu)], rank)  # (P, 2, A)
+            pb = self._part_boxes(u, cu, None, rank)  # (P, 2, A)
             on = np.full(D, -1)
             on[list(cu.devices)] = np.arange(cu.num_partitions)  # device -> producer partition
             partial = math.prod(cu.degree(d) for d in reduction)
