@@ -178,9 +178,10 @@ def partitions(op: Op, config: ParallelConfig) -> list[Partition]:
         k = degs[d.name]
         ranges.append([(i * d.size // k, (i + 1) * d.size // k) for i in range(k)])
     partial = any(d.axis is None for d in split)
+    names = [d.name for d in split]
     parts = []
     for idx, combo in enumerate(itertools.product(*ranges)):
-        block = {d.name: r for d, r in zip(split, combo)}
+        block = dict(zip(names, combo))
         ins, ps = rule.regions(op, block)
         parts.append(Partition(idx, config.devices[idx], block, out_region(op, block),
                                tuple(ins), ps, partial))

@@ -277,3 +277,26 @@ def test_nothing_fits_still_no_slower_than_a_baseline(lenet):
     r = search(lenet, tiny, evaluations=200, seed=0, progress=False)
     assert not r.result.feasible and not any(b.feasible for b in r.baselines.values())
     assert r.result.iteration_time <= min(b.iteration_time for b in r.baselines.values()) * (1 + 1e-12)
+
+
+def test_search_makes_no_full_collections_and_restores_the_collector(lenet, p100, monkeypatch):
+    """During a search the oldest generation is never collected (its objects are the
+    cached plans); the collector's thresholds are back as they were afterwards, also
+    after a failure."""
+    import gc
+
+    import flexflow.simulate as sim_mod
+    before = gc.get_threshold()
+    seen = []
+    real = sim_mod.Simulator._simulate
+
+    def spy(self, *a, **k):
+        seen.append(gc.get_threshold())
+        return real(self, *a, **k)
+    monkeypatch.setattr(sim_mod.Simulator, "_simulate", spy)
+    ff.search(lenet, p100, evaluations=20, seed=0, progress=False)
+    assert seen and all(t[2] >= 1 << 30 for t in seen)
+    assert gc.get_threshold() == before
+    with pytest.raises(SearchError):
+        ff.search(lenet, p100, evaluations=20, seed=0, progress=False, chains=0)
+    assert gc.get_threshold() == before
