@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -300,3 +301,13 @@ def test_search_makes_no_full_collections_and_restores_the_collector(lenet, p100
     with pytest.raises(SearchError):
         ff.search(lenet, p100, evaluations=20, seed=0, progress=False, chains=0)
     assert gc.get_threshold() == before
+
+
+def test_search_warns_when_the_baselines_take_most_of_the_budget(lenet, p100):
+    """A budget the baselines eat gets a clear warning that says how to reuse them."""
+    with pytest.warns(UserWarning, match="baselines took .* of the 1e-06-s budget"):
+        r = ff.search(lenet, p100, budget=1e-6, seed=0, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reused, they cost nothing of the budget
+        ff.search(lenet, p100, budget=0.5, seed=0, progress=False, baselines=r.baseline_strategies,
+                  baseline_results=r.baselines)

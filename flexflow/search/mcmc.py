@@ -5,6 +5,7 @@ import functools
 import math
 import random
 import time
+import warnings
 
 from ..bound import LoadBound
 from ..cost import CostModel
@@ -106,6 +107,12 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     else:
         sim0 = _simulator(graph, machine, cm, optimizer, sync)
         base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
+    spent = time.perf_counter() - t0
+    if evaluations is None and spent >= 0.5 * budget:
+        warnings.warn(f"building and simulating the baselines took {spent:.1f} s of the {budget:g}-s budget, "
+                      f"which leaves the search {max(budget - spent, 0):.1f} s; give a larger budget, or reuse "
+                      f"a previous result's baselines: search(..., baselines=result.baseline_strategies, "
+                      f"baseline_results=result.baselines)", stacklevel=3)
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
     scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
     scale_s = scale_s if scale_s > 0 else 1e-6
