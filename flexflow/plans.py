@@ -345,7 +345,7 @@ class Context:
         distinct output boxes in order, the partitions per box, for one producer per box an
         array box -> partition (else None), the boxes' corners, the partitions' devices and
         the element size."""
-        key = (self.kind[u], cu) if self.kind[u] >= 0 else ("op", u, cu)
+        key = (self.kind[u], cu)  # (only reached through edge_plan, itself keyed by kinds)
         hit = self._obox.get(key)
         if hit is not None:
             return hit
@@ -369,7 +369,7 @@ class Context:
         """Consumer side of ``_edge_geometry``, per (kind, config, input): the partitions,
         those that read input j, the corners of what they read (None where a region's rank
         is not the producer's), the partitions' devices."""
-        key = (self.kind[o], co, j) if self.kind[o] >= 0 else ("op", o, co, j)
+        key = (self.kind[o], co, j)
         hit = self._ibox.get(key)
         if hit is not None:
             return hit
