@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps")
     p.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
                    help="profiles and the calibrated machine file (default benchmarks/.cache)")
+    p.add_argument("--out", default=os.path.join(RESULTS, "sim_accuracy"),
+                   help="results prefix: writes <out>.md, .json and .png (default benchmarks/results/sim_accuracy)")
     a = p.parse_args(argv)
     os.environ["FLEXFLOW_CACHE_DIR"] = a.cache_dir
     import torch
@@ -148,10 +150,10 @@ def main(argv=None) -> int:
                             "within_30pct": sum(e < 0.3 for e in a_errs), "kendall_tau": a_taus},
                "calibration": {k: v for k, v in figures.items() if k != "samples"},
                "seconds": time.time() - t0}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "sim_accuracy.json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
         json.dump({"rows": rows, "summary": summary}, f, indent=1, default=str)
-    _plot(rows)
+    _plot(rows, a.out)
     cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "")
     lines = ["# Simulator against real runs (Figure 11 of the paper, on this machine)", "",
              f"Command: `{cmd}` ({summary['seconds']:.0f} s). 2 gloo processes on this host's 2 CPU cores, "
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
               f"largest {summary['analytic']['max_abs_error'] * 100:.1f}%, "
               f"{summary['analytic']['within_30pct']} of {summary['cases']} within 30%; Kendall's tau "
               + ", ".join(f"{k} {v:.2f}" for k, v in a_taus.items()) + ".", "",
-              "![predicted against measured](sim_accuracy.png)", "",
+              f"![predicted against measured]({os.path.basename(a.out)}.png)", "",
               "## What the simulator models on this host", "",
               "- gloo's threads share the 2 cores that compute (`comm_on_cores` in the calibrated machine): a "
               "message holds the devices at both ends for its duration, and so does a gradient all-reduce; "
@@ -203,13 +205,13 @@ def main(argv=None) -> int:
               "rnnlm's model-parallel and random strategies are predicted up to ~40% slow.",
               "- The host's message and all-reduce costs vary between calibrations by up to 1.5x (see the "
               "calibration in the JSON); each run of this script calibrates first.", ""]
-    with open(os.path.join(RESULTS, "sim_accuracy.md"), "w") as f:
+    with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[-6:]))
     return 0
 
 
-def _plot(rows) -> None:
+def _plot(rows, out) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,7 +233,7 @@ def _plot(rows) -> None:
     ax.set_title("Simulator vs real execution, 2 gloo processes")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "sim_accuracy.png"), dpi=120)
+    fig.savefig(out + ".png", dpi=120)
 
 
 if __name__ == "__main__":

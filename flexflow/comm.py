@@ -15,9 +15,10 @@ import dataclasses
 import time
 from pathlib import Path
 
-from .machine import CPU_MACHINE_FILE, LinkSpec, _cpu_default, cache_dir, cpu_machine_file  # (re-exported)
+from .machine import (CALIBRATION_VERSION, CPU_MACHINE_FILE, LinkSpec, _cpu_default, cache_dir,  # (re-exported)
+                      cpu_machine_file)
 
-__all__ = ["cache_dir", "cpu_machine_file", "calibrate_gloo", "write_cpu_machine_file",
+__all__ = ["cache_dir", "cpu_machine_file", "calibrate_gloo", "write_cpu_machine_file", "cpu_machine_from_figures",
            "CPU_MACHINE_FILE", "DEFAULT_SIZES_BYTES"]
 
 KiB, MiB = 2**10, 2**20
@@ -77,7 +78,7 @@ def _eager_op_time(torch, n: int = 200) -> float:
     return _best_time(chain) / (2 * n)
 
 
-def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
+def _worker(rank, nprocs, tmp, sizes, repeats, warmup, fit=False):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -105,6 +106,10 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup):
         out["skew"] = _skew_samples(torch, dist, chunk, warmup, repeats)
         dist.barrier()
         out.update(_compute_figures(torch))  # all ranks at once, as in a real run
+        if fit:  # the executor's own steps on a calibration model (flexflow.hostfit)
+            from .hostfit import measure_steps
+            dist.barrier()
+            out["steps"] = measure_steps(nprocs)
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -201,11 +206,17 @@ def _fit(samples) -> tuple[float, float]:
 
 
 def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: int = 5,
-                   warmup: int = 2) -> dict:
+                   warmup: int = 2, fit: bool | None = None) -> dict:
     """Spawn nprocs local gloo processes and measure. Returns latency_s / bandwidth_Bps
     (point-to-point link), allreduce_latency_s / allreduce_bandwidth_Bps (per ring step and
     bus bandwidth under the ring model), peak_flops (dtype -> FLOP/s per process),
-    mem_bw_Bps, the raw samples and the seconds spent."""
+    mem_bw_Bps, the raw samples and the seconds spent.
+
+    ``fit`` (default: when the host has fewer than two cores per process, where messages
+    share the computing cores): also run a calibration model under the executor and
+    replace ``exchange_s``, ``allreduce_latency_s`` and ``sync_skew`` by the figures that
+    make the simulator predict its steps (:mod:`flexflow.hostfit`); the micro-benchmark
+    figures stay under ``micro`` and the fit's cases under ``fit``."""
     if nprocs < 2:
         raise ValueError(f"calibrate_gloo needs at least 2 processes, not {nprocs}")
     sizes = sorted({int(s) for s in sizes_bytes})
@@ -213,8 +224,10 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
         raise ValueError("calibrate_gloo needs at least 2 distinct positive message sizes")
     import torch.multiprocessing as mp
     start = time.perf_counter()
+    if fit is None:
+        fit = _cpu_cores() < 2 * nprocs
     with tempfile.TemporaryDirectory(prefix="flexflow-comm-") as tmp:
-        mp.spawn(_worker, args=(nprocs, tmp, sizes, repeats, warmup), nprocs=nprocs, join=True)
+        mp.spawn(_worker, args=(nprocs, tmp, sizes, repeats, warmup, fit), nprocs=nprocs, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
     lat, bw = _fit(ranks[0]["p2p"])
     # all-reduce completes when the slowest rank does
@@ -227,7 +240,8 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     (t_short, ar_short), (t_long, ar_long) = (
         (statistics.mean(r["skew"][i][0] for r in ranks), max(r["skew"][i][1] for r in ranks)) for i in (0, 1))
     skew = min(max((ar_long - ar_short) / max(t_long - t_short, 1e-9), 0.0), 0.5)
-    return {
+    figures = {
+        "version": CALIBRATION_VERSION,
         "nprocs": nprocs,
         "cores": _cpu_cores(),
         "exchange_s": statistics.mean([ranks[0]["exchange"], ranks[1]["exchange"]]),
@@ -238,8 +252,15 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
         "mem_bw_Bps": statistics.median(r["mem_bw_Bps"] for r in ranks),
         "launch_overhead_s": statistics.median(r["launch_overhead_s"] for r in ranks),
         "samples": {"p2p": ranks[0]["p2p"], "allreduce": ar, "skew": [r["skew"] for r in ranks]},
-        "seconds": time.perf_counter() - start,
     }
+    if fit:
+        from .hostfit import fit_figures
+        figures["micro"] = {k: figures[k] for k in ("exchange_s", "allreduce_latency_s", "sync_skew")}
+        figures["samples"]["steps"] = ranks[0]["steps"]
+        fitted = fit_figures(cpu_machine_from_figures(figures, nprocs), ranks[0]["steps"], nprocs)
+        figures.update(fitted)
+    figures["seconds"] = time.perf_counter() - start
+    return figures
 
 
 def _cpu_cores() -> int:
@@ -249,8 +270,9 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def write_cpu_machine_file(figures: dict, path=None) -> Path:
-    """Write the cpu machine with the calibrated figures (atomically); returns the path.
+def cpu_machine_from_figures(figures: dict, devices: int | None = None):
+    """The cpu Machine the calibrated figures describe (``devices``: that many devices on
+    one node; default the preset's).
 
     When the host has fewer than two cores per process, gloo's communication threads share
     the cores that compute (``comm_on_cores``): a message then holds both ends' devices, and
@@ -274,6 +296,15 @@ def write_cpu_machine_file(figures: dict, path=None) -> Path:
                                sync_skew=float(figures.get("sync_skew") or 0.0) if on_cores else 0.0)
     link = LinkSpec(float(figures["bandwidth_Bps"]), latency, "loopback", **ar)
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
+    if devices is not None:
+        machine = dataclasses.replace(machine, num_nodes=1, devices_per_node=int(devices), num_devices=int(devices))
+    return machine
+
+
+def write_cpu_machine_file(figures: dict, path=None) -> Path:
+    """Write the cpu machine with the calibrated figures (atomically); returns the path
+    (:func:`cpu_machine_from_figures` says what it holds)."""
+    machine = cpu_machine_from_figures(figures)
     d = machine.to_dict()
     d["measured"] = {k: v for k, v in figures.items() if k != "samples"}
     target = Path(path) if path is not None else cpu_machine_file()

@@ -191,6 +191,9 @@ def _calibrate_once() -> None:
 # what a calibration must have measured to be used as it is (older files lack the cost of a
 # message between compute, the all-reduce figures and the sync skew): detect() calibrates again
 _CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew")
+# version 2: on a host whose messages share the computing cores, those three figures are
+# fitted to the executor's steps (flexflow.hostfit); version 1 files are measured again
+CALIBRATION_VERSION = 2
 
 
 def _calibration_current(path: Path) -> bool:
@@ -198,7 +201,7 @@ def _calibration_current(path: Path) -> bool:
         measured = json.loads(path.read_text()).get("measured") or {}
     except (OSError, ValueError, AttributeError):
         return False
-    return all(k in measured for k in _CALIBRATION_KEYS)
+    return all(k in measured for k in _CALIBRATION_KEYS) and measured.get("version") == CALIBRATION_VERSION
 
 
 def _cpu_preset() -> "Machine":

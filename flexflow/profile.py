@@ -8,24 +8,37 @@ embedding's vocabulary, class targets below the logits' class count), then
 ``RULES[op.rule].compute`` forward and a backward through it (gradient of
 the sum of the output w.r.t. float inputs and parameters; in-place ops get
 fresh untimed copies).  One warm-up (two for fast ops), the median of
-``repeats`` runs; CUDA events and a synchronize on GPUs, ``time.perf_counter``
+``repeats`` runs; CUDA events and a synchronize on GPUs, the CPU clock below
 on CPU under the current ``torch.get_num_threads()`` (which the profiler
 never changes; it is part of the CPU device name).
+
+Two choices make an entry stand for the op inside a training step on a quiet
+host:
+
+- on a CPU with one torch thread, a run's time is the calling thread's CPU
+  time (``time.thread_time``: the op and its backward run on that thread), so
+  other jobs sharing the cores while it is profiled do not inflate it (with
+  more threads, wall time);
+- the fixed cost of one ``torch.autograd.grad`` call (measured once per run:
+  a one-node backward less the cost per node) is taken off each backward, as
+  a step's whole backward is one engine call (``bwd_call_s`` records it).
 
 Cache layout: ``flexflow.machine.cache_dir()/profiles/<device name>.json``, one
 file per device name (``cpu-<cpu model>-<threads>t``, ``cuda-<GPU name>``)::
 
-    {"format": "flexflow-profile", "version": 1, "device_name": "cuda-NVIDIA_H200",
+    {"format": "flexflow-profile", "version": 2, "device_name": "cuda-NVIDIA_H200",
      "device_kind": "H200", "torch": "2.x", "entries": {
     "<json of CostModel.key>": {"fwd_s": .., "bwd_s": .., "kind": .., "rule": .., "dtype": ..,
         "flops": .., "bytes": .., "backward_factor": .., "output_shape": .., "runs": ..,
-        "threads": .., "op": <first op name>, ...},       <- one entry per line
+        "threads": .., "op": <first op name>, "bwd_call_s": .., ...},    <- one entry per line
     ...}}
 
 Saving takes an exclusive ``fcntl.flock`` on ``<file>.lock``, re-reads the
 file, merges (this process's new entries win) and replaces it atomically
 (tempfile + ``os.replace``), so processes can share one cache.  A corrupt
-file is rebuilt with a warning.  ``flexflow/data/profile-<kind>.json`` in the
+file is rebuilt with a warning, and so is a file of an older format version
+(version 1 timed CPU ops by wall time and kept the engine call in backward).
+``flexflow/data/profile-<kind>.json`` in the
 package is a read-only fallback (e.g. an H200 profile shipped with the code).
 """
 from __future__ import annotations
@@ -111,8 +124,12 @@ def _tensors(x):
 
 
 class _Timer:
+    """CUDA events on a GPU; on a CPU the calling thread's CPU time when torch runs one
+    thread (time other jobs hold the core is not counted), else wall time."""
+
     def __init__(self, dev: torch.device):
         self.cuda = dev.type == "cuda"
+        self.clock = time.thread_time if not self.cuda and torch.get_num_threads() == 1 else time.perf_counter
 
     def start(self):
         if self.cuda:
@@ -120,7 +137,7 @@ class _Timer:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self.clock()
 
     def stop(self, t0) -> float:
         if self.cuda:
@@ -128,7 +145,30 @@ class _Timer:
             ev.record()
             torch.cuda.synchronize()
             return t0.elapsed_time(ev) / 1e3
-        return time.perf_counter() - t0
+        return self.clock() - t0
+
+
+def _engine_call_s(dev, timer, runs: int = 31) -> float:
+    """Fixed seconds of one ``torch.autograd.grad`` call beyond the work of its nodes:
+    the time of a one-node backward less the cost per node (from an 11-node chain).  A
+    profiled backward is one engine call per op; in a training step the whole backward
+    is one call, so the profiler takes this off each op's backward."""
+    x = torch.ones(4, device=dev, requires_grad=True)
+
+    def grad_of(n: int) -> float:
+        ts = []
+        for _ in range(runs):
+            y = x
+            for _ in range(n):
+                y = y * 1.0
+            t0 = timer.start()
+            torch.autograd.grad([y], [x], [torch.ones_like(y)])
+            ts.append(timer.stop(t0))
+        return statistics.median(ts)
+    grad_of(1)
+    one, eleven = grad_of(1), grad_of(11)
+    per_node = max(eleven - one, 0.0) / 10
+    return max(one - per_node, 0.0)
 
 
 def profile_partition(op, part, device="cpu", repeats: int = 5, warmup: int = 1, graph=None,
@@ -284,6 +324,7 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
                     g["ops"].append(op.name)
                 g["count"] += 1
     report = ProfileReport(str(dev), name, db.device_kind, str(db.path), torch.get_num_threads())
+    call_s = None
     bar = None
     if progress and sys.stderr.isatty():
         with contextlib.suppress(ImportError):
@@ -302,15 +343,21 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
                 e.update(error="skipped: out of profiling time", skipped=True)
                 report.skipped += 1
             else:
+                if call_s is None:  # measured once, and only when something is measured
+                    call_s = _engine_call_s(dev, _Timer(dev))
                 try:
-                    fwd, bwd, runs = profile_partition(op, part, dev, repeats, warmup, graph, max_seconds)
+                    fwd, raw_bwd, runs = profile_partition(op, part, dev, repeats, warmup, graph, max_seconds)
                 except Exception as exc:  # an op that cannot run on random data: report it
                     e["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                     warnings.warn(f"profiling {op.describe()} failed: {e['error']}")
                     report.errors += 1
                 else:
+                    # the backward as one node of a step's backward (one engine call per step)
+                    bwd = max(raw_bwd - call_s, 0.2 * raw_bwd) if raw_bwd > 0 else 0.0
+                    meta = _meta(op, e, runs, name)
+                    meta.update(bwd_call_s=raw_bwd - bwd)
+                    db.record(k, fwd, bwd, meta)
                     e.update(forward_ms=fwd * 1e3, backward_ms=bwd * 1e3)
-                    db.record(k, fwd, bwd, _meta(op, e, runs, name))
                     report.measured += 1
                     if save and time.perf_counter() - last_save > 60:
                         db.save()  # keep progress of long runs

@@ -20,7 +20,9 @@ from .machine import GPU_SPECS, cache_dir
 __all__ = ["ProfileDB", "device_kind_of", "device_name", "profiles_dir", "package_profile_path", "key_str",
            "FORMAT", "VERSION"]
 
-FORMAT, VERSION = "flexflow-profile", 1
+FORMAT, VERSION = "flexflow-profile", 2
+# version 2: CPU times are the thread's CPU time (load from other jobs left out) and a
+# backward without the engine call's fixed cost; older files are measured again
 _PKG_DATA = Path(__file__).parent / "data"
 
 
@@ -138,6 +140,11 @@ def _read(path: Path, quiet=False):
         if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(d.get("entries"), dict):
             raise ValueError("not a flexflow profile file")
         if d.get("version") != VERSION:
+            if isinstance(d.get("version"), int) and d["version"] < VERSION:
+                if not quiet:
+                    warnings.warn(f"profile cache {path} was written by an older flexflow (format version "
+                                  f"{d['version']}, now {VERSION}); its ops will be measured again")
+                return {}, {}
             raise ValueError(f"version {d.get('version')!r}, expected {VERSION}")
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         if not quiet:

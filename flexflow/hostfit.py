@@ -1,0 +1,235 @@
+"""Fitting the ``cpu`` machine's communication figures to the executor's own steps.
+
+The gloo micro-benchmarks in :mod:`flexflow.comm` time a message or an all-reduce
+between pieces of compute.  What one costs inside a training step also holds the
+executor's Python, the peer's wake-up on shared cores and the jitter of the ranks, and
+on a 2-core host those dominate: the micro-benchmark figures came out 2-3x below what
+message-heavy strategies lose in real steps.  So the calibration ends by running a small
+calibration model (:class:`CalibrationChain`, no part of any user model) under the
+executor with three strategies, and fits the simulator's own parameters so that it
+predicts those steps:
+
+- ``single``: every op on rank 0 (the others idle): no message, one output all-reduce;
+- ``alternate``: layer ``i`` whole on rank ``i % 2``: an activation and a gradient
+  message at every layer boundary, all on the critical path -> the link latency
+  (``exchange_s``, the cost of one message between compute);
+- ``data_parallel``, each at two sizes (short and long compute) -> the all-reduce latency
+  per ring step and the sync skew (what a synchronisation costs per second of compute
+  before it, from the ranks' jitter).
+
+The fit alternates: the latency by bisection (the simulated time grows with it), then
+the all-reduce latency and skew by least squares (both add to the step after the task
+graph, linearly), three rounds.  Each figure is clamped to a sane range; the measured
+steps, the predictions with the fitted figures and the micro-benchmark figures are all
+kept in the machine file (``measured.fit``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+__all__ = ["CalibrationChain", "CASES", "measure_steps", "fit_figures"]
+
+# (width, batch) of the calibration chains: about 2 ms and 10 ms of compute per step on
+# one core, so that the all-reduce latency (per step) and the skew (per second of compute)
+# can be told apart
+CASES = ((64, 32), (256, 512))
+LAYERS = 8
+_LAT_RANGE = (5e-6, 5e-3)
+_AR_RANGE = (0.0, 5e-3)
+_SKEW_RANGE = (0.0, 0.5)
+
+
+def _chain_cls():
+    import torch
+    import torch.nn as nn
+
+    class CalibrationChain(nn.Module):
+        """``layers`` x (Linear(width, width), tanh), then a mean-squared error."""
+
+        def __init__(self, width: int, layers: int = LAYERS):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return nn.functional.mse_loss(x, y)
+    return CalibrationChain
+
+
+def CalibrationChain(width: int, layers: int = LAYERS):  # noqa: N802 - a class made on demand
+    """The calibration model (torch is imported only when one is built)."""
+    return _chain_cls()(width, layers)
+
+
+def build(width: int, batch: int):
+    """(module, example inputs), the same in every process."""
+    import torch
+    torch.manual_seed(0)
+    m = CalibrationChain(width)
+    g = torch.Generator().manual_seed(1)
+    return m, (torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
+
+
+def strategies(graph, machine) -> dict:
+    """The calibration strategies of one chain on ``machine``."""
+    from .strategy import ParallelConfig, Strategy
+    cfg, layer = {}, 0
+    for op in graph.compute_ops:  # linear_i and the tanh after it on rank i % 2; the loss with the last
+        if op.kind == "linear" and cfg:
+            layer += 1
+        cfg[op.name] = ParallelConfig({}, (layer % 2,))
+    return {"single": Strategy.single_device(graph, machine, 0),
+            "alternate": Strategy(graph, cfg, machine, name="alternate"),
+            "data_parallel": Strategy.data_parallel(graph, machine)}
+
+
+def measure_steps(nprocs: int, rounds: int = 15, steps: int = 3, warmup: int = 3) -> dict:
+    """In every rank of a running gloo group: {"<width>x<batch>": {strategy: [seconds per
+    step, one per round]}} under the executor, strategies in interleaved rounds between
+    barriers."""
+    import torch
+    import torch.distributed as dist
+
+    from .api import parallelize
+    from .machine import _cpu_default
+    from .trace import trace
+    machine = dataclasses.replace(_cpu_default(), num_nodes=1, devices_per_node=nprocs, num_devices=nprocs)
+    out = {}
+    for width, batch in CASES:
+        module, inputs = build(width, batch)
+        graph = trace(module, inputs)
+        runs = {}
+        for label, s in strategies(graph, machine).items():
+            model = parallelize(module, nprocs, example_inputs=inputs, strategy=s)
+            runs[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
+
+        def step(model, opt):
+            opt.zero_grad()
+            loss = model(*inputs)
+            loss.backward()
+            opt.step()
+            loss.item()
+        for model, opt in runs.values():
+            for _ in range(warmup):
+                step(model, opt)
+        times = {k: [] for k in runs}
+        for _ in range(rounds):
+            for label, (model, opt) in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(model, opt)
+                dist.barrier()  # a round ends when the slowest rank does
+                times[label].append((time.perf_counter() - t0) / steps)
+        out[f"{width}x{batch}"] = times
+    return out
+
+
+def _machine(base, latency_s: float, ar_latency_s: float, skew: float):
+    link = dataclasses.replace(base.intra_node, latency_s=latency_s, allreduce_latency_s=ar_latency_s)
+    spec = dataclasses.replace(base.spec, sync_skew=skew)
+    return dataclasses.replace(base, intra_node=link, spec=spec)
+
+
+def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
+    """The figures that make the simulator predict the measured calibration steps.
+
+    ``base``: the cpu Machine built from the micro-benchmarks (``comm_on_cores`` set),
+    with ``nprocs`` devices; ``samples``: :func:`measure_steps` of rank 0.  Profiles the
+    chains' ops on this CPU first (``profile``).  Returns ``exchange_s``,
+    ``allreduce_latency_s``, ``sync_skew`` and ``fit`` (measured and predicted ms per
+    case, the relative errors)."""
+    import torch
+
+    from .cost import CostModel
+    from .profile import profile_graph
+    from .simulate import Simulator
+    from .trace import trace
+    measured, graphs = {}, {}
+    for width, batch in CASES:
+        module, inputs = build(width, batch)
+        graph = trace(module, inputs)
+        case = f"{width}x{batch}"
+        graphs[case] = graph
+        if profile:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # as the ranks run
+            try:
+                for s in strategies(graph, base).values():
+                    profile_graph(graph, "cpu", strategy=s)
+            finally:
+                torch.set_num_threads(threads)
+        measured[case] = {k: statistics.median(v) for k, v in samples[case].items()}
+
+    cost = CostModel.for_machine(base)  # op times: the same for every figure tried below
+
+    def predict(lat, ar, skew, labels):
+        m = _machine(base, lat, ar, skew)
+        out = {}
+        for width, graph in graphs.items():
+            sim = Simulator(graph, m, cost)
+            for label, s in strategies(graph, m).items():
+                if label in labels:
+                    out[(width, label)] = sim.simulate(s, incremental=False).iteration_time
+        return out
+
+    def log_err(pred, label):
+        return sum(math.log(pred[(w, label)] / measured[w][label]) for w in graphs)
+
+    lat = base.intra_node.latency_s
+    ar = base.intra_node.allreduce_latency_s or 0.0
+    skew = base.spec.sync_skew
+    for _ in range(3):
+        # the message latency: the alternating chains' total log error is 0
+        lo, hi = _LAT_RANGE
+        if log_err(predict(lo, ar, skew, {"alternate"}), "alternate") > 0:
+            lat = lo
+        elif log_err(predict(hi, ar, skew, {"alternate"}), "alternate") < 0:
+            lat = hi
+        else:
+            for _ in range(16):  # the range is 1000x wide: 2^-16 of it in log is 0.01%
+                mid = math.sqrt(lo * hi)
+                if log_err(predict(mid, ar, skew, {"alternate"}), "alternate") > 0:
+                    hi = mid
+                else:
+                    lo = mid
+            lat = math.sqrt(lo * hi)
+        # all-reduce latency and skew: linear in both (after the task graph)
+        p0 = predict(lat, 0.0, 0.0, {"data_parallel"})
+        pa = predict(lat, 1e-3, 0.0, {"data_parallel"})
+        ps = predict(lat, 0.0, 0.1, {"data_parallel"})
+        rows, rhs = [], []
+        for w in graphs:
+            k = (w, "data_parallel")
+            rows.append(((pa[k] - p0[k]) / 1e-3, (ps[k] - p0[k]) / 0.1))
+            rhs.append(measured[w]["data_parallel"] - p0[k])
+        ar, skew = _solve2(rows, rhs)
+    pred = predict(lat, ar, skew, {"single", "alternate", "data_parallel"})
+    return {"exchange_s": lat, "allreduce_latency_s": ar, "sync_skew": skew,
+            "fit": {"measured_ms": {f"{lbl}@{w}": round(measured[w][lbl] * 1e3, 4) for w in graphs for lbl in measured[w]},
+                    "predicted_ms": {f"{lbl}@{w}": round(pred[(w, lbl)] * 1e3, 4) for (w, lbl) in pred},
+                    "error": {f"{lbl}@{w}": round(pred[(w, lbl)] / measured[w][lbl] - 1, 4) for (w, lbl) in pred}}}
+
+
+def _solve2(rows, rhs) -> tuple[float, float]:
+    """Least squares a*x + b*y = r over the rows with x in _AR_RANGE and y in _SKEW_RANGE
+    (a bound hit: the other refitted alone)."""
+    import numpy as np
+    a = np.array(rows, dtype=float)
+    r = np.array(rhs, dtype=float)
+    (x, y), *_ = np.linalg.lstsq(a, r, rcond=None)
+
+    def one(col, lo, hi, other):
+        c = a[:, col]
+        rr = r - a[:, 1 - col] * other
+        v = float(c @ rr / (c @ c)) if float(c @ c) > 0 else lo
+        return min(max(v, lo), hi)
+    if not (_AR_RANGE[0] <= x <= _AR_RANGE[1] and _SKEW_RANGE[0] <= y <= _SKEW_RANGE[1]):
+        y = min(max(float(y), _SKEW_RANGE[0]), _SKEW_RANGE[1])
+        x = one(0, *_AR_RANGE, y)
+        y = one(1, *_SKEW_RANGE, x)
+    return float(x), float(y)
