@@ -87,7 +87,7 @@ def strategies(graph, machine) -> dict:
             "data_parallel": Strategy.data_parallel(graph, machine)}
 
 
-def measure_steps(nprocs: int, rounds: int = 15, steps: int = 3, warmup: int = 3) -> dict:
+def measure_steps(nprocs: int, rounds: int = 21, steps: int = 3, warmup: int = 3) -> dict:
     """In every rank of a running gloo group: {"<width>x<batch>": {strategy: [seconds per
     step, one per round]}} under the executor, strategies in interleaved rounds between
     barriers."""

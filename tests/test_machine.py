@@ -209,6 +209,11 @@ def test_calibration_feeds_cpu_preset():
     assert two.allreduce_time_s([0, 1], 1e6) == pytest.approx(
         2 * (fig["allreduce_latency_s"] + 1e6 / 2 / fig["allreduce_bandwidth_Bps"]))
     assert Machine.from_json(m.to_json()) == m  # the new keys round-trip
+    if on_cores:  # fitted to the executor's steps on the calibration chains; the micro figures kept
+        assert set(fig["micro"]) == {"exchange_s", "allreduce_latency_s", "sync_skew"}
+        assert set(fig["fit"]["measured_ms"]) == set(fig["fit"]["predicted_ms"]) and fig["fit"]["error"]
+        saved = json.loads(path.read_text())["measured"]
+        assert saved["fit"] == fig["fit"] and saved["version"] == 2 and "samples" not in saved
 
 
 
@@ -249,3 +254,10 @@ def test_detect_calibrates_a_cpu_host_once(monkeypatch):
     path.write_text(json.dumps(d))
     Machine.detect()
     assert "exchange_s" in json.loads(path.read_text())["measured"]
+    # and so is one of an older calibration format (figures not fitted to the executor)
+    d = json.loads(path.read_text())
+    d["measured"]["version"] = 1
+    path.write_text(json.dumps(d))
+    stamp = path.stat().st_mtime_ns
+    Machine.detect()
+    assert json.loads(path.read_text())["measured"]["version"] == 2 and path.stat().st_mtime_ns != stamp

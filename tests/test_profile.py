@@ -377,3 +377,66 @@ def test_ops_alike_share_candidate_configs():
     _CANDIDATES.clear()  # computed afresh: the same configs
     fresh = candidate_configs(dataclasses.replace(cells[-1]), m)  # (a new op: no cache of its own)
     assert fresh == first and fresh is not first
+
+
+# ---- what an entry stands for ----------------------------------------------------------------
+def test_cpu_timer_counts_the_threads_own_time_only():
+    """With one torch thread a CPU op is timed by the thread's CPU time: time the core
+    spends on other jobs (here: the thread asleep) is not counted."""
+    import time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timer = prof._Timer(torch.device("cpu"))
+        t0 = timer.start()
+        time.sleep(0.05)
+        assert timer.stop(t0) < 0.01
+        x = torch.randn(256, 256)
+        t0 = timer.start()
+        for _ in range(20):
+            x @ x
+        assert timer.stop(t0) > 0
+    finally:
+        torch.set_num_threads(threads)
+    if threads > 1:  # several threads: wall time (the workers' time is not on this thread)
+        timer = prof._Timer(torch.device("cpu"))
+        t0 = timer.start()
+        time.sleep(0.02)
+        assert timer.stop(t0) >= 0.02
+
+
+def test_backward_entries_leave_out_the_engine_call(cache, monkeypatch):
+    """A profiled backward is one autograd engine call per op; a step's backward is one
+    call in all: each entry's backward has the call's fixed cost taken off (recorded as
+    bwd_call_s), never below a fifth of what was measured."""
+    monkeypatch.setattr(prof, "_engine_call_s", lambda dev, timer: 30e-6)
+    times = iter([(1e-4, 2e-4, 5), (1e-5, 3e-5, 5)] * 50)
+    monkeypatch.setattr(prof, "profile_partition", lambda *a, **k: next(times))
+    g = _small("lenet")
+    r = profile_graph(g, repeats=2)
+    entries = json.loads(_cache_file(cache).read_text())["entries"].values()
+    assert len(entries) == len(r.ops) >= 2
+    for e in entries:
+        raw = e["bwd_s"] + e["bwd_call_s"]
+        assert raw in (pytest.approx(2e-4), pytest.approx(3e-5))
+        assert e["bwd_s"] == pytest.approx(max(raw - 30e-6, 0.2 * raw))
+    bwd = {round(e["bwd_s"], 9) for e in entries}
+    assert bwd == {1.7e-4, 6e-6}  # 200 us less the call; 30 us kept at a fifth
+    assert sorted({round(e["backward_ms"], 6) for e in r.ops}) == [0.006, 0.17]
+
+
+def test_engine_call_cost_is_small_and_positive():
+    c = prof._engine_call_s(torch.device("cpu"), prof._Timer(torch.device("cpu")))
+    assert 0.0 <= c < 5e-3
+
+
+def test_older_cache_format_is_measured_again(cache):
+    path = _cache_file(cache)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": "flexflow-profile", "version": 1, "device_name": "x",
+                                "entries": {"k": {"fwd_s": 1.0, "bwd_s": 1.0}}}))
+    with pytest.warns(UserWarning, match="older flexflow"):
+        r = profile_graph(_small("lenet"), repeats=2)
+    assert r.measured == len(r.ops) and r.cached == 0
+    d = json.loads(path.read_text())
+    assert d["version"] == profiledb.VERSION and "k" not in d["entries"]

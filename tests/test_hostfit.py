@@ -1,0 +1,62 @@
+"""The cpu calibration's fit to the executor's steps (flexflow.hostfit), without processes:
+figures the simulator itself produced are recovered."""
+import dataclasses
+
+import pytest
+
+from flexflow import hostfit
+from flexflow.comm import cpu_machine_from_figures
+from flexflow.cost import CostModel
+from flexflow.simulate import Simulator
+from flexflow.trace import trace
+
+FIGURES = {"nprocs": 2, "cores": 2, "exchange_s": 80e-6, "latency_s": 40e-6, "bandwidth_Bps": 3e9,
+           "allreduce_latency_s": 300e-6, "allreduce_bandwidth_Bps": 1e9, "sync_skew": 0.2,
+           "peak_flops": {"float32": 1e11}, "mem_bw_Bps": 1e10, "launch_overhead_s": 4e-6}
+
+
+def _steps(machine) -> dict:
+    """What measure_steps would report if the host behaved as ``machine`` says."""
+    cost = CostModel.for_machine(machine)
+    out = {}
+    for width, batch in hostfit.CASES:
+        module, inputs = hostfit.build(width, batch)
+        graph = trace(module, inputs)
+        sim = Simulator(graph, machine, cost)
+        out[f"{width}x{batch}"] = {k: [sim.simulate(s, incremental=False).iteration_time] * 3
+                                   for k, s in hostfit.strategies(graph, machine).items()}
+    return out
+
+
+@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05), (120e-6, 200e-6, 0.3)])
+def test_fit_recovers_the_figures_that_made_the_steps(truth):
+    base = cpu_machine_from_figures(FIGURES, devices=2)
+    assert base.spec.comm_on_cores
+    lat, ar, skew = truth
+    host = hostfit._machine(base, lat, ar, skew)
+    got = hostfit.fit_figures(base, _steps(host), 2, profile=False)
+    assert got["exchange_s"] == pytest.approx(lat, rel=0.02)
+    assert got["allreduce_latency_s"] == pytest.approx(ar, rel=0.02)
+    assert got["sync_skew"] == pytest.approx(skew, rel=0.02, abs=1e-3)
+    assert max(abs(e) for e in got["fit"]["error"].values()) < 0.02
+    assert set(got["fit"]["measured_ms"]) == set(got["fit"]["predicted_ms"])
+
+
+def test_fit_clamps_figures_the_steps_cannot_support():
+    """Steps faster than the simulator can make them (no message costs anything): every
+    figure stays at its lower bound, none goes negative."""
+    base = cpu_machine_from_figures(FIGURES, devices=2)
+    floor = hostfit._machine(base, 0.0, 0.0, 0.0)
+    steps = {case: {k: [v[0] * 0.5] for k, v in per.items()} for case, per in _steps(floor).items()}
+    got = hostfit.fit_figures(base, steps, 2, profile=False)
+    assert got["exchange_s"] == hostfit._LAT_RANGE[0]
+    assert got["allreduce_latency_s"] == 0.0 and got["sync_skew"] == 0.0
+
+
+def test_machine_from_figures_uses_the_fitted_figures_on_shared_cores():
+    m = cpu_machine_from_figures({**FIGURES, "exchange_s": 222e-6}, devices=2)
+    assert m.num_devices == 2 and m.intra_node.latency_s == 222e-6
+    assert m.intra_node.allreduce_latency_s == 300e-6 and m.spec.sync_skew == 0.2
+    roomy = cpu_machine_from_figures({**FIGURES, "cores": 8}, devices=2)  # a spare core per process
+    assert not roomy.spec.comm_on_cores and roomy.intra_node.latency_s == 40e-6
+    assert dataclasses.replace(m, name="x").intra_node == m.intra_node
