@@ -214,7 +214,7 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
 
     ``fit`` (default: when the host has fewer than two cores per process, where messages
     share the computing cores): also run a calibration model under the executor and
-    replace ``exchange_s``, ``allreduce_latency_s`` and ``sync_skew`` by the figures that
+    replace ``exchange_s``, ``bandwidth_Bps``, ``allreduce_latency_s`` and ``sync_skew`` by the figures that
     make the simulator predict its steps (:mod:`flexflow.hostfit`); the micro-benchmark
     figures stay under ``micro`` and the fit's cases under ``fit``."""
     if nprocs < 2:
@@ -255,7 +255,7 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     }
     if fit:
         from .hostfit import fit_figures
-        figures["micro"] = {k: figures[k] for k in ("exchange_s", "allreduce_latency_s", "sync_skew")}
+        figures["micro"] = {k: figures[k] for k in ("exchange_s", "bandwidth_Bps", "allreduce_latency_s", "sync_skew")}
         figures["samples"]["steps"] = ranks[0]["steps"]
         fitted = fit_figures(cpu_machine_from_figures(figures, nprocs), ranks[0]["steps"], nprocs)
         figures.update(fitted)

@@ -12,13 +12,14 @@ predicts those steps:
 - ``single``: every op on rank 0 (the others idle): no message, one output all-reduce;
 - ``alternate``: layer ``i`` whole on rank ``i % 2``: an activation and a gradient
   message at every layer boundary, all on the critical path -> the link latency
-  (``exchange_s``, the cost of one message between compute);
-- ``data_parallel``, each at two sizes (short and long compute) -> the all-reduce latency
-  per ring step and the sync skew (what a synchronisation costs per second of compute
-  before it, from the ranks' jitter).
+  (``exchange_s``, the cost of one message between compute) from the small chain's
+  8-KB messages and the link bandwidth from the large chain's 512-KB ones;
+- ``data_parallel`` -> the all-reduce latency per ring step and the sync skew (what a
+  synchronisation costs per second of compute before it, from the ranks' jitter).
 
-The fit alternates: the latency by bisection (the simulated time grows with it), then
-the all-reduce latency and skew by least squares (both add to the step after the task
+Each strategy runs at two sizes (short and long compute).  The fit alternates: latency
+and bandwidth by bisection (the simulated time moves monotonically with each), then the
+all-reduce latency and skew by least squares (both add to the step after the task
 graph, linearly), three rounds.  Each figure is clamped to a sane range; the measured
 steps, the predictions with the fitted figures and the micro-benchmark figures are all
 kept in the machine file (``measured.fit``).
@@ -38,6 +39,7 @@ __all__ = ["CalibrationChain", "CASES", "measure_steps", "fit_figures"]
 CASES = ((64, 32), (256, 512))
 LAYERS = 8
 _LAT_RANGE = (5e-6, 5e-3)
+_BW_RANGE = (1e7, 1e11)
 _AR_RANGE = (0.0, 5e-3)
 _SKEW_RANGE = (0.0, 0.5)
 
@@ -129,10 +131,27 @@ def measure_steps(nprocs: int, rounds: int = 21, steps: int = 3, warmup: int = 3
     return out
 
 
-def _machine(base, latency_s: float, ar_latency_s: float, skew: float):
-    link = dataclasses.replace(base.intra_node, latency_s=latency_s, allreduce_latency_s=ar_latency_s)
+def _machine(base, latency_s: float, ar_latency_s: float, skew: float, bandwidth_Bps: float | None = None):
+    link = dataclasses.replace(base.intra_node, latency_s=latency_s, allreduce_latency_s=ar_latency_s,
+                               bandwidth_Bps=bandwidth_Bps or base.intra_node.bandwidth_Bps)
     spec = dataclasses.replace(base.spec, sync_skew=skew)
     return dataclasses.replace(base, intra_node=link, spec=spec)
+
+
+def _bisect(f, lo: float, hi: float, steps: int = 16) -> float:
+    """x in [lo, hi] (log scale) where the increasing f crosses 0; a bound when it does not
+    (the ranges are about 1000x wide: 16 halvings in log leave 0.01%)."""
+    if f(lo) > 0:
+        return lo
+    if f(hi) < 0:
+        return hi
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        if f(mid) > 0:
+            hi = mid
+        else:
+            lo = mid
+    return math.sqrt(lo * hi)
 
 
 def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
@@ -140,9 +159,9 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
 
     ``base``: the cpu Machine built from the micro-benchmarks (``comm_on_cores`` set),
     with ``nprocs`` devices; ``samples``: :func:`measure_steps` of rank 0.  Profiles the
-    chains' ops on this CPU first (``profile``).  Returns ``exchange_s``,
-    ``allreduce_latency_s``, ``sync_skew`` and ``fit`` (measured and predicted ms per
-    case, the relative errors)."""
+    chains' ops on this CPU first (``profile``).  Returns ``exchange_s`` (a message's
+    latency), ``bandwidth_Bps`` (a message's bandwidth), ``allreduce_latency_s``,
+    ``sync_skew`` and ``fit`` (measured and predicted ms per case, the relative errors)."""
     import torch
 
     from .cost import CostModel
@@ -167,49 +186,44 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
 
     cost = CostModel.for_machine(base)  # op times: the same for every figure tried below
 
-    def predict(lat, ar, skew, labels):
-        m = _machine(base, lat, ar, skew)
+    def predict(lat, ar, skew, labels, bw=None, cases=None):
+        m = _machine(base, lat, ar, skew, bw)
         out = {}
-        for width, graph in graphs.items():
+        for case, graph in graphs.items():
+            if cases is not None and case not in cases:
+                continue
             sim = Simulator(graph, m, cost)
             for label, s in strategies(graph, m).items():
                 if label in labels:
-                    out[(width, label)] = sim.simulate(s, incremental=False).iteration_time
+                    out[(case, label)] = sim.simulate(s, incremental=False).iteration_time
         return out
 
-    def log_err(pred, label):
-        return sum(math.log(pred[(w, label)] / measured[w][label]) for w in graphs)
+    def log_err(case, **kw):  # the alternating chain of one case: log(predicted / measured)
+        p = predict(kw.get("lat", lat), ar, skew, {"alternate"}, kw.get("bw", bw), {case})
+        return math.log(p[(case, "alternate")] / measured[case]["alternate"])
 
-    lat = base.intra_node.latency_s
+    small, large = (f"{w}x{b}" for w, b in CASES)
+    lat, bw = base.intra_node.latency_s, base.intra_node.bandwidth_Bps
     ar = base.intra_node.allreduce_latency_s or 0.0
     skew = base.spec.sync_skew
     for _ in range(3):
-        # the message latency: the alternating chains' total log error is 0
-        lo, hi = _LAT_RANGE
-        if log_err(predict(lo, ar, skew, {"alternate"}), "alternate") > 0:
-            lat = lo
-        elif log_err(predict(hi, ar, skew, {"alternate"}), "alternate") < 0:
-            lat = hi
-        else:
-            for _ in range(16):  # the range is 1000x wide: 2^-16 of it in log is 0.01%
-                mid = math.sqrt(lo * hi)
-                if log_err(predict(mid, ar, skew, {"alternate"}), "alternate") > 0:
-                    hi = mid
-                else:
-                    lo = mid
-            lat = math.sqrt(lo * hi)
+        # messages: the latency from the small chain's messages (8 KB), the bandwidth from
+        # the large one's (512 KB); each moves its own case most, so a few rounds settle
+        for _ in range(3):
+            lat = _bisect(lambda x: log_err(small, lat=x), *_LAT_RANGE)
+            bw = _bisect(lambda x: -log_err(large, bw=x), *_BW_RANGE)
         # all-reduce latency and skew: linear in both (after the task graph)
-        p0 = predict(lat, 0.0, 0.0, {"data_parallel"})
-        pa = predict(lat, 1e-3, 0.0, {"data_parallel"})
-        ps = predict(lat, 0.0, 0.1, {"data_parallel"})
+        p0 = predict(lat, 0.0, 0.0, {"data_parallel"}, bw)
+        pa = predict(lat, 1e-3, 0.0, {"data_parallel"}, bw)
+        ps = predict(lat, 0.0, 0.1, {"data_parallel"}, bw)
         rows, rhs = [], []
         for w in graphs:
             k = (w, "data_parallel")
             rows.append(((pa[k] - p0[k]) / 1e-3, (ps[k] - p0[k]) / 0.1))
             rhs.append(measured[w]["data_parallel"] - p0[k])
         ar, skew = _solve2(rows, rhs)
-    pred = predict(lat, ar, skew, {"single", "alternate", "data_parallel"})
-    return {"exchange_s": lat, "allreduce_latency_s": ar, "sync_skew": skew,
+    pred = predict(lat, ar, skew, {"single", "alternate", "data_parallel"}, bw)
+    return {"exchange_s": lat, "bandwidth_Bps": bw, "allreduce_latency_s": ar, "sync_skew": skew,
             "fit": {"measured_ms": {f"{lbl}@{w}": round(measured[w][lbl] * 1e3, 4) for w in graphs for lbl in measured[w]},
                     "predicted_ms": {f"{lbl}@{w}": round(pred[(w, lbl)] * 1e3, 4) for (w, lbl) in pred},
                     "error": {f"{lbl}@{w}": round(pred[(w, lbl)] / measured[w][lbl] - 1, 4) for (w, lbl) in pred}}}

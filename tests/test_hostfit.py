@@ -28,14 +28,15 @@ def _steps(machine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05), (120e-6, 200e-6, 0.3)])
+@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05, 1.2e9), (120e-6, 200e-6, 0.3, 5e9)])
 def test_fit_recovers_the_figures_that_made_the_steps(truth):
     base = cpu_machine_from_figures(FIGURES, devices=2)
     assert base.spec.comm_on_cores
-    lat, ar, skew = truth
-    host = hostfit._machine(base, lat, ar, skew)
+    lat, ar, skew, bw = truth
+    host = hostfit._machine(base, lat, ar, skew, bw)
     got = hostfit.fit_figures(base, _steps(host), 2, profile=False)
     assert got["exchange_s"] == pytest.approx(lat, rel=0.02)
+    assert got["bandwidth_Bps"] == pytest.approx(bw, rel=0.05)
     assert got["allreduce_latency_s"] == pytest.approx(ar, rel=0.02)
     assert got["sync_skew"] == pytest.approx(skew, rel=0.02, abs=1e-3)
     assert max(abs(e) for e in got["fit"]["error"].values()) < 0.02
@@ -49,7 +50,7 @@ def test_fit_clamps_figures_the_steps_cannot_support():
     floor = hostfit._machine(base, 0.0, 0.0, 0.0)
     steps = {case: {k: [v[0] * 0.5] for k, v in per.items()} for case, per in _steps(floor).items()}
     got = hostfit.fit_figures(base, steps, 2, profile=False)
-    assert got["exchange_s"] == hostfit._LAT_RANGE[0]
+    assert got["exchange_s"] == hostfit._LAT_RANGE[0] and got["bandwidth_Bps"] == hostfit._BW_RANGE[1]
     assert got["allreduce_latency_s"] == 0.0 and got["sync_skew"] == 0.0
 
 

@@ -210,7 +210,7 @@ def test_calibration_feeds_cpu_preset():
         2 * (fig["allreduce_latency_s"] + 1e6 / 2 / fig["allreduce_bandwidth_Bps"]))
     assert Machine.from_json(m.to_json()) == m  # the new keys round-trip
     if on_cores:  # fitted to the executor's steps on the calibration chains; the micro figures kept
-        assert set(fig["micro"]) == {"exchange_s", "allreduce_latency_s", "sync_skew"}
+        assert set(fig["micro"]) == {"exchange_s", "bandwidth_Bps", "allreduce_latency_s", "sync_skew"}
         assert set(fig["fit"]["measured_ms"]) == set(fig["fit"]["predicted_ms"]) and fig["fit"]["error"]
         saved = json.loads(path.read_text())["measured"]
         assert saved["fit"] == fig["fit"] and saved["version"] == 2 and "samples" not in saved
