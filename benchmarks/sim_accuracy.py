@@ -185,11 +185,16 @@ def main(argv=None) -> int:
               "- gloo's threads share the 2 cores that compute (`comm_on_cores` in the calibrated machine): a "
               "message holds the devices at both ends for its duration, and so does a gradient all-reduce; "
               "the latency of each gradient bucket and of the loss all-reduce adds to the step.",
-              "- Message and all-reduce costs are calibrated between compute (a message costs "
-              f"{figures.get('exchange_s', 0) * 1e6:.0f} us there, {figures['latency_s'] * 1e6:.0f} us in an idle "
-              "ping-pong): a peer's threads must be woken and scheduled on busy cores.",
+              "- Message and all-reduce costs are fitted to the executor's own steps on a calibration "
+              "chain (`flexflow/hostfit.py`: no model of this table): a message costs "
+              f"{figures.get('exchange_s', 0) * 1e6:.0f} us plus its bytes at "
+              f"{figures['bandwidth_Bps'] / 1e9:.2f} GB/s, an all-reduce "
+              f"{figures.get('allreduce_latency_s', 0) * 1e6:.0f} us per ring step (the micro-benchmarks "
+              f"between compute said {(figures.get('micro') or {}).get('exchange_s', 0) * 1e6:.0f} us and "
+              f"{(figures.get('micro') or {}).get('allreduce_latency_s', 0) * 1e6:.0f} us; an idle ping-pong "
+              f"{figures['latency_s'] * 1e6:.0f} us).",
               "- The ranks' speeds jitter, so a step's synchronisation waits for the slowest: the "
-              f"calibrated sync skew ({figures.get('sync_skew', 0):.2f} of the compute before it) times the "
+              f"fitted sync skew ({figures.get('sync_skew', 0):.2f} of the compute before it) times the "
               "second busiest device's compute adds to the step.",
               "- Kendall's tau counts near ties (alexnet's random strategies measure within 7% of each "
               "other, wide_mlp's expert, random1 and random3 within 5%) as fully as clear orderings.",
@@ -198,13 +203,16 @@ def main(argv=None) -> int:
               "inputs that no parameter feeds (the image batch into the first layer).",
               "",
               "## What limits the accuracy here", "",
-              "- Op times are profiled one op at a time on warm caches; inside a training step they run "
-              "slower, so predictions sit mostly below the measurement.",
-              "- A message costs one calibrated figure, measured between compute on both ends; where the "
-              "peer is idle, waiting for it (the layers of rnnlm pipelined over time steps), it costs less, so "
-              "rnnlm's model-parallel and random strategies are predicted up to ~40% slow.",
-              "- The host's message and all-reduce costs vary between calibrations by up to 1.5x (see the "
-              "calibration in the JSON); each run of this script calibrates first.", ""]
+              "- Op times are profiled one op at a time, by the thread's CPU time (load from other jobs "
+              "left out) and without the autograd engine's per-call cost; inside a training step ops whose "
+              "data left the cache run slower (the transformer's gelu and dropout 2-3x), so one-process "
+              "predictions sit 10-30% off in either direction per model.",
+              "- A message costs one fitted figure; where the peer is idle, waiting for it (the layers of "
+              "rnnlm pipelined over time steps), it costs less, so rnnlm's model-parallel and random "
+              "strategies are predicted up to ~40% slow.",
+              "- The fitted figures move between calibrations (a message 113-237 us, an all-reduce step "
+              "593-962 us over this session's runs; the micro-benchmarks alone moved 3x); each run of this "
+              "script calibrates first, and the JSON keeps the calibration with its fit.", ""]
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[-6:]))
