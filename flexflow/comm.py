@@ -214,7 +214,8 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
 
     ``fit`` (default: when the host has fewer than two cores per process, where messages
     share the computing cores): also run a calibration model under the executor and
-    replace ``exchange_s``, ``bandwidth_Bps``, ``allreduce_latency_s`` and ``sync_skew`` by the figures that
+    replace ``exchange_s``, ``bandwidth_Bps``, ``allreduce_latency_s`` and ``sync_skew`` (and add
+    ``output_sync_s``) by the figures that
     make the simulator predict its steps (:mod:`flexflow.hostfit`); the micro-benchmark
     figures stay under ``micro`` and the fit's cases under ``fit``."""
     if nprocs < 2:
@@ -292,8 +293,10 @@ def cpu_machine_from_figures(figures: dict, devices: int | None = None):
     if figures.get("allreduce_bandwidth_Bps") and figures.get("allreduce_latency_s") is not None:
         ar = {"allreduce_bandwidth_Bps": float(figures["allreduce_bandwidth_Bps"]),
               "allreduce_latency_s": float(figures["allreduce_latency_s"])}
+    out_sync = figures.get("output_sync_s")
     spec = dataclasses.replace(spec, comm_on_cores=on_cores,
-                               sync_skew=float(figures.get("sync_skew") or 0.0) if on_cores else 0.0)
+                               sync_skew=float(figures.get("sync_skew") or 0.0) if on_cores else 0.0,
+                               output_sync_s=float(out_sync) if on_cores and out_sync is not None else None)
     link = LinkSpec(float(figures["bandwidth_Bps"]), latency, "loopback", **ar)
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
     if devices is not None:

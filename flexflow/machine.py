@@ -43,6 +43,11 @@ class DeviceSpec:
     # rank wait for the slowest: beyond its latency it costs this fraction of the compute
     # the ranks did since the previous one (calibrated; 0 elsewhere)
     sync_skew: float = 0.0
+    # What returning the step's outputs (the loss) to every rank adds to a step, where
+    # communication runs on the computing cores (calibrated: the all-reduce is started
+    # after the forward and waited at the first read, so much of it hides behind the
+    # backward); None: one all-reduce latency among all devices
+    output_sync_s: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -137,13 +142,15 @@ def cpu_machine_file() -> Path:
 
 
 def _spec_dict(spec: DeviceSpec) -> dict:
-    """A device spec as JSON; ``comm_on_cores`` and ``sync_skew`` only when set (descriptions
+    """A device spec as JSON; ``comm_on_cores``, ``sync_skew`` and ``output_sync_s`` only when set (descriptions
     without them, and their fingerprints, stay as they were)."""
     d = dataclasses.asdict(spec)
     if not d["comm_on_cores"]:
         del d["comm_on_cores"]
     if not d["sync_skew"]:
         del d["sync_skew"]
+    if d["output_sync_s"] is None:
+        del d["output_sync_s"]
     return d
 
 
@@ -414,7 +421,7 @@ class Machine:
                     {"num_devices", "inter_node", "comment", "measured"})
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
-                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew"})
+                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -431,7 +438,9 @@ class Machine:
                           int(_num(dev, "memory_bytes", "device.")),
                           _num(dev, "launch_overhead_s", "device.", zero_ok=True, default=5e-6), backend,
                           _bool(dev, "comm_on_cores", "device."),
-                          _num(dev, "sync_skew", "device.", zero_ok=True, default=0.0))
+                          _num(dev, "sync_skew", "device.", zero_ok=True, default=0.0),
+                          None if dev.get("output_sync_s") is None
+                          else _num(dev, "output_sync_s", "device.", zero_ok=True))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
@@ -491,6 +500,8 @@ class Machine:
         if s.sync_skew:
             lines.append(f"  a synchronisation also costs {s.sync_skew:.1%} of the compute before it "
                          f"(the ranks' speeds jitter)")
+        if s.output_sync_s is not None:
+            lines.append(f"  returning the outputs to every rank adds {s.output_sync_s * 1e6:g} us to a step")
         return "\n".join(lines)
 
 

@@ -114,7 +114,9 @@ class Simulator:
             ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer, sync)
         self.ctx = ctx
         self.max_delta_fraction = max_delta_fraction
-        self._loss_latency_s = machine.allreduce_latency_s(range(ctx.D))  # the outputs' all-reduce
+        out_sync = machine.spec.output_sync_s  # the outputs' all-reduce (calibrated, or one latency)
+        self._loss_latency_s = machine.allreduce_latency_s(range(ctx.D)) if out_sync is None or ctx.D < 2 \
+            else float(out_sync)
         self._tg: TaskGraph | None = None
         self._sched: _Schedule | None = None
         self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0, "stopped": 0}
@@ -212,7 +214,8 @@ class Simulator:
         """Where communication runs on the cores that compute (``comm_on_cores``), each
         collective's latency holds its members' cores, so it adds to the step: one per
         gradient bucket the executor forms (per device group, ``GRAD_BUCKET_BYTES`` each)
-        and the all-reduce of the outputs (the loss) among all ranks."""
+        and the all-reduce of the outputs (the loss) among all ranks (``output_sync_s``
+        where calibrated)."""
         if self.sync != "ring":
             return 0
         m, per_group = self.machine, {}

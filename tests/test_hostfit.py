@@ -28,15 +28,16 @@ def _steps(machine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05, 1.2e9), (120e-6, 200e-6, 0.3, 5e9)])
+@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05, 1.2e9, 100e-6), (120e-6, 200e-6, 0.3, 5e9, 900e-6)])
 def test_fit_recovers_the_figures_that_made_the_steps(truth):
     base = cpu_machine_from_figures(FIGURES, devices=2)
     assert base.spec.comm_on_cores
-    lat, ar, skew, bw = truth
-    host = hostfit._machine(base, lat, ar, skew, bw)
+    lat, ar, skew, bw, out = truth
+    host = hostfit._machine(base, lat, ar, skew, bw, out)
     got = hostfit.fit_figures(base, _steps(host), 2, profile=False)
     assert got["exchange_s"] == pytest.approx(lat, rel=0.02)
     assert got["bandwidth_Bps"] == pytest.approx(bw, rel=0.05)
+    assert got["output_sync_s"] == pytest.approx(out, rel=0.02)
     assert got["allreduce_latency_s"] == pytest.approx(ar, rel=0.02)
     assert got["sync_skew"] == pytest.approx(skew, rel=0.02, abs=1e-3)
     assert max(abs(e) for e in got["fit"]["error"].values()) < 0.02
@@ -51,13 +52,37 @@ def test_fit_clamps_figures_the_steps_cannot_support():
     steps = {case: {k: [v[0] * 0.5] for k, v in per.items()} for case, per in _steps(floor).items()}
     got = hostfit.fit_figures(base, steps, 2, profile=False)
     assert got["exchange_s"] == hostfit._LAT_RANGE[0] and got["bandwidth_Bps"] == hostfit._BW_RANGE[1]
-    assert got["allreduce_latency_s"] == 0.0 and got["sync_skew"] == 0.0
+    assert got["allreduce_latency_s"] == 0.0 and got["sync_skew"] == 0.0 and got["output_sync_s"] == 0.0
 
 
 def test_machine_from_figures_uses_the_fitted_figures_on_shared_cores():
-    m = cpu_machine_from_figures({**FIGURES, "exchange_s": 222e-6}, devices=2)
-    assert m.num_devices == 2 and m.intra_node.latency_s == 222e-6
+    m = cpu_machine_from_figures({**FIGURES, "exchange_s": 222e-6, "output_sync_s": 55e-6}, devices=2)
+    assert m.num_devices == 2 and m.intra_node.latency_s == 222e-6 and m.spec.output_sync_s == 55e-6
+    assert cpu_machine_from_figures(FIGURES).spec.output_sync_s is None  # not calibrated: one all-reduce
     assert m.intra_node.allreduce_latency_s == 300e-6 and m.spec.sync_skew == 0.2
     roomy = cpu_machine_from_figures({**FIGURES, "cores": 8}, devices=2)  # a spare core per process
     assert not roomy.spec.comm_on_cores and roomy.intra_node.latency_s == 40e-6
+    assert roomy.spec.output_sync_s is None
     assert dataclasses.replace(m, name="x").intra_node == m.intra_node
+
+
+def test_output_sync_replaces_the_loss_all_reduce_latency():
+    """A calibrated ``output_sync_s`` is what returning the loss adds to a step, in place of
+    one all-reduce latency among all devices; it round-trips through the machine JSON and
+    changes the fingerprint."""
+    from flexflow.machine import Machine
+    base = cpu_machine_from_figures(FIGURES, devices=2)
+    module, inputs = hostfit.build(64, 32)
+    graph = trace(module, inputs)
+    cost = CostModel(base)
+    times = {}
+    for out in (None, 0.0, 50e-6):
+        m = hostfit._machine(base, 80e-6, 300e-6, 0.0, None, out)
+        single = hostfit.strategies(graph, m)["single"]
+        times[out] = Simulator(graph, m, cost).simulate(single, incremental=False).iteration_time
+        assert Machine.from_json(m.to_json()) == m
+    assert times[None] - times[0.0] == pytest.approx(base.allreduce_latency_s(range(2)), abs=1e-9)
+    assert times[50e-6] - times[0.0] == pytest.approx(50e-6, abs=1e-9)
+    assert hostfit._machine(base, 80e-6, 300e-6, 0.0, None, 0.0).fingerprint() != \
+        hostfit._machine(base, 80e-6, 300e-6, 0.0, None, None).fingerprint()
+    assert "output_sync_s" not in base.to_dict()["device"]  # uncalibrated descriptions unchanged
