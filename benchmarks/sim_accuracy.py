@@ -189,7 +189,8 @@ def main(argv=None) -> int:
               "chain (`flexflow/hostfit.py`: no model of this table): a message costs "
               f"{figures.get('exchange_s', 0) * 1e6:.0f} us plus its bytes at "
               f"{figures['bandwidth_Bps'] / 1e9:.2f} GB/s, an all-reduce "
-              f"{figures.get('allreduce_latency_s', 0) * 1e6:.0f} us per ring step (the micro-benchmarks "
+              f"{figures.get('allreduce_latency_s', 0) * 1e6:.0f} us per ring step, returning the loss to "
+              f"every rank {figures.get('output_sync_s', 0) * 1e6:.0f} us a step (the micro-benchmarks "
               f"between compute said {(figures.get('micro') or {}).get('exchange_s', 0) * 1e6:.0f} us and "
               f"{(figures.get('micro') or {}).get('allreduce_latency_s', 0) * 1e6:.0f} us; an idle ping-pong "
               f"{figures['latency_s'] * 1e6:.0f} us).",
@@ -210,8 +211,8 @@ def main(argv=None) -> int:
               "- A message costs one fitted figure; where the peer is idle, waiting for it (the layers of "
               "rnnlm pipelined over time steps), it costs less, so rnnlm's model-parallel and random "
               "strategies are predicted up to ~40% slow.",
-              "- The fitted figures move between calibrations (a message 113-237 us, an all-reduce step "
-              "593-962 us over this session's runs; the micro-benchmarks alone moved 3x); each run of this "
+              "- The fitted figures move between calibrations (a message 137-250 us, an all-reduce step "
+              "557-850 us over a dozen calibrations; the micro-benchmarks alone moved 3x); each run of this "
               "script calibrates first, and the JSON keeps the calibration with its fit.", ""]
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines))

@@ -198,9 +198,10 @@ def _calibrate_once() -> None:
 # what a calibration must have measured to be used as it is (older files lack the cost of a
 # message between compute, the all-reduce figures and the sync skew): detect() calibrates again
 _CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew")
-# version 2: on a host whose messages share the computing cores, those three figures are
-# fitted to the executor's steps (flexflow.hostfit); version 1 files are measured again
-CALIBRATION_VERSION = 2
+# version 3: on a host whose messages share the computing cores, those three figures (and
+# the cost of returning the outputs) are
+# fitted to the executor's steps (flexflow.hostfit); older files are measured again
+CALIBRATION_VERSION = 3
 
 
 def _calibration_current(path: Path) -> bool:

@@ -6,7 +6,7 @@ import types
 import pytest
 
 from flexflow.comm import cache_dir, calibrate_gloo, cpu_machine_file, write_cpu_machine_file
-from flexflow.machine import GPU_SPECS, DeviceSpec, Link, LinkSpec, Machine
+from flexflow.machine import CALIBRATION_VERSION, GPU_SPECS, DeviceSpec, Link, LinkSpec, Machine
 
 
 @pytest.fixture(autouse=True)
@@ -211,9 +211,10 @@ def test_calibration_feeds_cpu_preset():
     assert Machine.from_json(m.to_json()) == m  # the new keys round-trip
     if on_cores:  # fitted to the executor's steps on the calibration chains; the micro figures kept
         assert set(fig["micro"]) == {"exchange_s", "bandwidth_Bps", "allreduce_latency_s", "sync_skew"}
+        assert m.spec.output_sync_s == fig["output_sync_s"] >= 0
         assert set(fig["fit"]["measured_ms"]) == set(fig["fit"]["predicted_ms"]) and fig["fit"]["error"]
         saved = json.loads(path.read_text())["measured"]
-        assert saved["fit"] == fig["fit"] and saved["version"] == 2 and "samples" not in saved
+        assert saved["fit"] == fig["fit"] and saved["version"] == CALIBRATION_VERSION and "samples" not in saved
 
 
 
@@ -260,4 +261,4 @@ def test_detect_calibrates_a_cpu_host_once(monkeypatch):
     path.write_text(json.dumps(d))
     stamp = path.stat().st_mtime_ns
     Machine.detect()
-    assert json.loads(path.read_text())["measured"]["version"] == 2 and path.stat().st_mtime_ns != stamp
+    assert json.loads(path.read_text())["measured"]["version"] == CALIBRATION_VERSION and path.stat().st_mtime_ns != stamp
