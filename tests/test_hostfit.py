@@ -86,3 +86,22 @@ def test_output_sync_replaces_the_loss_all_reduce_latency():
     assert hostfit._machine(base, 80e-6, 300e-6, 0.0, None, 0.0).fingerprint() != \
         hostfit._machine(base, 80e-6, 300e-6, 0.0, None, None).fingerprint()
     assert "output_sync_s" not in base.to_dict()["device"]  # uncalibrated descriptions unchanged
+
+
+def test_a_failed_fit_keeps_the_micro_figures(monkeypatch):
+    """When the calibration chains did not run on some rank, or the fit fails, the
+    calibration warns and keeps the micro-benchmark figures (nothing is lost)."""
+    from flexflow import comm
+    figs = dict(FIGURES, samples={})
+    with pytest.warns(UserWarning, match="keeping the micro-benchmark figures"):
+        comm._fit_or_keep(figs, [{"steps": {}}, {"steps": None, "steps_error": "OSError: boom"}], 2)
+    assert figs["exchange_s"] == FIGURES["exchange_s"] and "boom" in figs["fit_error"]
+    assert figs["micro"]["exchange_s"] == FIGURES["exchange_s"]
+
+    def broken(*a, **k):
+        raise ValueError("no profile")
+    monkeypatch.setattr(hostfit, "fit_figures", broken)
+    figs = dict(FIGURES, samples={})
+    with pytest.warns(UserWarning, match="no profile"):
+        comm._fit_or_keep(figs, [{"steps": {"64x32": {}}}] * 2, 2)
+    assert figs["allreduce_latency_s"] == FIGURES["allreduce_latency_s"] and "output_sync_s" not in figs
