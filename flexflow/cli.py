@@ -137,6 +137,39 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def _calibration_text(res: dict) -> str:
+    """The calibrated figures in words, with the executor fit's cases (flexflow.hostfit)."""
+    us = lambda x: f"{x * 1e6:.0f} us"  # noqa: E731
+    lines = [f"calibrated {res['nprocs']} gloo processes on {res['cores']} cores in {res['seconds']:.1f} s; "
+             f"machine file {res.get('path')}",
+             f"  compute: {res['peak_flops'].get('float32', 0) / 1e9:.1f} GFLOP/s fp32 matmul, "
+             f"{res['mem_bw_Bps'] / 1e9:.1f} GB/s copy, {us(res['launch_overhead_s'])} per eager op",
+             f"  idle ping-pong: {us(res['latency_s'])} + {res['bandwidth_Bps'] / 1e9:.2f} GB/s"
+             if "micro" not in res else
+             f"  idle ping-pong: {us(res['latency_s'])}",
+             f"  a message between compute: {us(res['exchange_s'])}"
+             + (f" + {res['bandwidth_Bps'] / 1e9:.2f} GB/s" if "micro" in res else ""),
+             f"  all-reduce: {us(res['allreduce_latency_s'])} per ring step, "
+             f"{res['allreduce_bandwidth_Bps'] / 1e9:.2f} GB/s",
+             f"  sync skew: {res['sync_skew']:.2f} of the compute before a synchronisation"]
+    if res.get("output_sync_s") is not None:
+        lines.append(f"  returning the loss to every rank: {us(res['output_sync_s'])} a step")
+    micro = res.get("micro")
+    if micro:
+        lines.append(f"  (fitted to the executor's steps; the micro-benchmarks said a message "
+                     f"{us(micro['exchange_s'])} + {micro['bandwidth_Bps'] / 1e9:.2f} GB/s, an all-reduce step "
+                     f"{us(micro['allreduce_latency_s'])}, skew {micro['sync_skew']:.2f})")
+    fit = res.get("fit")
+    if fit:
+        lines.append("  calibration chain        measured ms  predicted ms   error")
+        for case, m in fit["measured_ms"].items():
+            p, e = fit["predicted_ms"].get(case), fit["error"].get(case)
+            lines.append(f"    {case:<22} {m:11.2f} {p:13.2f} {e * 100:+7.1f}%")
+    if res.get("fit_error"):
+        lines.append(f"  fit failed, micro-benchmark figures kept: {res['fit_error']}")
+    return "\n".join(lines)
+
+
 def cmd_profile(args) -> int:
     from . import profile
     if args.comm:
@@ -144,9 +177,7 @@ def cmd_profile(args) -> int:
         if args.json:
             print(json.dumps(res, default=str))
         else:
-            for k, v in res.items():
-                if k != "samples":
-                    print(f"{k}: {v}")
+            print(_calibration_text(res))
         return 0
     if args.model is None:
         raise CLIError("profile needs a MODEL (or --comm)")

@@ -83,3 +83,24 @@ def test_search_prints_memory_per_device_and_refuses_when_nothing_fits(tmp_path,
     assert code == 2 and "no strategy fits device memory (optimizer adam" in err
     assert "out of memory on device" in err and len(err.strip().splitlines()) == 1
     assert not out_file.exists()
+
+
+def test_calibration_is_printed_in_words():
+    """`flexflow profile --comm` prints the figures and the executor fit's cases, not a dict."""
+    from flexflow.cli import _calibration_text
+    res = {"nprocs": 2, "cores": 2, "seconds": 12.0, "path": "/x/machine-cpu.json",
+           "peak_flops": {"float32": 1.5e11}, "mem_bw_Bps": 2e10, "launch_overhead_s": 3e-6,
+           "latency_s": 4e-5, "bandwidth_Bps": 2.5e9, "exchange_s": 1.7e-4, "allreduce_latency_s": 8e-4,
+           "allreduce_bandwidth_Bps": 1.2e9, "sync_skew": 0.1, "output_sync_s": 1.3e-3,
+           "micro": {"exchange_s": 1.4e-4, "bandwidth_Bps": 5e9, "allreduce_latency_s": 3e-4, "sync_skew": 0.2},
+           "fit": {"measured_ms": {"alternate@64x32": 4.6}, "predicted_ms": {"alternate@64x32": 4.5},
+                   "error": {"alternate@64x32": -0.0217}}}
+    text = _calibration_text(res)
+    assert "a message between compute: 170 us + 2.50 GB/s" in text
+    assert "800 us per ring step" in text and "returning the loss to every rank: 1300 us" in text
+    assert "the micro-benchmarks said a message 140 us" in text
+    assert "alternate@64x32" in text and "-2.2%" in text and "{" not in text
+    del res["micro"], res["fit"], res["output_sync_s"]
+    res["fit_error"] = "RuntimeError: boom"
+    text = _calibration_text(res)
+    assert "idle ping-pong: 40 us + 2.50 GB/s" in text and "fit failed" in text and "boom" in text
