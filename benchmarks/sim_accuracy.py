@@ -45,9 +45,9 @@ def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
     """Run in each process: per strategy, the median step time over interleaved
     rounds of ``steps`` steps (a step counts at the slower rank), and the spread."""
     import torch
-    import torch.distributed as dist
 
     import flexflow as ff
+    from flexflow.hostfit import timed_rounds
     from real_speedup import build
     torch.set_num_threads(1)
     module, inputs = build(name, batch)
@@ -56,26 +56,9 @@ def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
     for label, text in strategies_json.items():
         model = ff.parallelize(module, NPROCS, example_inputs=inputs, strategy=ff.Strategy.from_json(text, graph))
         runs[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
-
-    def step(model, opt):
-        opt.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        opt.step()
-        loss.item()
-
-    times = {k: [] for k in runs}
-    for label, (model, opt) in runs.items():
-        for _ in range(warmup):
-            step(model, opt)
-    for _ in range(rounds):  # a round: `steps` steps back to back, as in training, between barriers
-        for label, (model, opt) in runs.items():
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step(model, opt)
-            dist.barrier()
-            times[label].append((time.perf_counter() - t) / steps)
+    # a round: `steps` steps back to back, as in training, between barriers (the calibration
+    # chains are timed the same way)
+    times = timed_rounds(runs, inputs, rounds, steps, warmup)
     return {k: {"median_s": statistics.median(v), "spread_s": [min(v), max(v)]} for k, v in times.items()}
 
 
@@ -211,8 +194,8 @@ def main(argv=None) -> int:
               "- A message costs one fitted figure; where the peer is idle, waiting for it (the layers of "
               "rnnlm pipelined over time steps), it costs less, so rnnlm's model-parallel and random "
               "strategies are predicted up to ~40% slow.",
-              "- The fitted figures move between calibrations (a message 137-250 us, an all-reduce step "
-              "557-850 us over a dozen calibrations; the micro-benchmarks alone moved 3x); each run of this "
+              "- The fitted figures move between calibrations (a message 124-250 us, an all-reduce step "
+              "557-1200 us over a dozen calibrations; the micro-benchmarks alone moved 3x); each run of this "
               "script calibrates first, and the JSON keeps the calibration with its fit.", ""]
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines))

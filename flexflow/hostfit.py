@@ -40,7 +40,7 @@ import math
 import statistics
 import time
 
-__all__ = ["CalibrationChain", "CASES", "measure_steps", "fit_figures"]
+__all__ = ["CalibrationChain", "CASES", "measure_steps", "timed_rounds", "fit_figures"]
 
 # (width, batch) of the calibration chains: about 2 ms and 10 ms of compute per step on
 # one core, so that the all-reduce latency (per step) and the skew (per second of compute)
@@ -108,9 +108,8 @@ def strategies(graph, machine) -> dict:
 def measure_steps(nprocs: int, rounds: int = 21, steps: int = 3, warmup: int = 3) -> dict:
     """In every rank of a running gloo group: {"<width>x<batch>": {strategy: [seconds per
     step, one per round]}} under the executor, strategies in interleaved rounds between
-    barriers."""
+    barriers (:func:`timed_rounds`)."""
     import torch
-    import torch.distributed as dist
 
     from .api import parallelize
     from .machine import _cpu_default
@@ -124,27 +123,37 @@ def measure_steps(nprocs: int, rounds: int = 21, steps: int = 3, warmup: int = 3
         for label, s in strategies(graph, machine).items():
             model = parallelize(module, nprocs, example_inputs=inputs, strategy=s)
             runs[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
-
-        def step(model, opt):
-            opt.zero_grad()
-            loss = model(*inputs)
-            loss.backward()
-            opt.step()
-            loss.item()
-        for model, opt in runs.values():
-            for _ in range(warmup):
-                step(model, opt)
-        times = {k: [] for k in runs}
-        for _ in range(rounds):
-            for label, (model, opt) in runs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step(model, opt)
-                dist.barrier()  # a round ends when the slowest rank does
-                times[label].append((time.perf_counter() - t0) / steps)
-        out[f"{width}x{batch}"] = times
+        out[f"{width}x{batch}"] = timed_rounds(runs, inputs, rounds, steps, warmup)
     return out
+
+
+def timed_rounds(runs: dict, inputs, rounds: int, steps: int, warmup: int) -> dict:
+    """In every rank of a running group: label -> [seconds per step, one per round] of
+    ``runs`` (label -> (model, optimizer)), each step zero_grad, forward on ``inputs``,
+    backward, optimizer step and a read of the loss; after ``warmup`` steps each, rounds of
+    ``steps`` steps per model in turn, between barriers (a round ends when the slowest rank
+    does)."""
+    import torch.distributed as dist
+
+    def step(model, opt):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        loss.item()
+    for model, opt in runs.values():
+        for _ in range(warmup):
+            step(model, opt)
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for label, (model, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(model, opt)
+            dist.barrier()
+            times[label].append((time.perf_counter() - t0) / steps)
+    return times
 
 
 def _machine(base, latency_s: float, ar_latency_s: float, skew: float, bandwidth_Bps: float | None = None,
