@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps")
     p.add_argument("--cache-dir", default=os.path.join(HERE, ".cache"),
                    help="profiles and the calibrated machine file (default benchmarks/.cache)")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds per strategy (default {ROUNDS})")
     p.add_argument("--out", default=os.path.join(RESULTS, "sim_accuracy"),
                    help="results prefix: writes <out>.md, .json and .png (default benchmarks/results/sim_accuracy)")
     a = p.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     print(f"calibrated gloo: {figures['latency_s'] * 1e6:.0f} us, {figures['bandwidth_Bps'] / 1e9:.2f} GB/s",
           flush=True)
     machine = ff.Machine.preset("cpu", devices=NPROCS)
-    warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 4, ROUNDS)
+    warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 4, a.rounds)
     from real_speedup import build
     rows = []
     for name, batch in CASES:
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     with open(a.out + ".json", "w") as f:
         json.dump({"rows": rows, "summary": summary}, f, indent=1, default=str)
     _plot(rows, a.out)
-    cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "")
+    cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "") + \
+        (f" --rounds {a.rounds}" if a.rounds != ROUNDS and not a.quick else "")
     lines = ["# Simulator against real runs (Figure 11 of the paper, on this machine)", "",
              f"Command: `{cmd}` ({summary['seconds']:.0f} s). 2 gloo processes on this host's 2 CPU cores, "
              "one thread each; the cpu machine calibrated first (`flexflow profile --comm`), every op "
