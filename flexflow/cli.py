@@ -140,15 +140,14 @@ def cmd_trace(args) -> int:
 def _calibration_text(res: dict) -> str:
     """The calibrated figures in words, with the executor fit's cases (flexflow.hostfit)."""
     us = lambda x: f"{x * 1e6:.0f} us"  # noqa: E731
+    fitted, bw = "micro" in res, f" + {res['bandwidth_Bps'] / 1e9:.2f} GB/s"
     lines = [f"calibrated {res['nprocs']} gloo processes on {res['cores']} cores in {res['seconds']:.1f} s; "
              f"machine file {res.get('path')}",
              f"  compute: {res['peak_flops'].get('float32', 0) / 1e9:.1f} GFLOP/s fp32 matmul, "
              f"{res['mem_bw_Bps'] / 1e9:.1f} GB/s copy, {us(res['launch_overhead_s'])} per eager op",
-             f"  idle ping-pong: {us(res['latency_s'])} + {res['bandwidth_Bps'] / 1e9:.2f} GB/s"
-             if "micro" not in res else
-             f"  idle ping-pong: {us(res['latency_s'])}",
-             f"  a message between compute: {us(res['exchange_s'])}"
-             + (f" + {res['bandwidth_Bps'] / 1e9:.2f} GB/s" if "micro" in res else ""),
+             # the bandwidth is the ping-pong's, or the fitted message's when there is a fit
+             f"  idle ping-pong: {us(res['latency_s'])}" + ("" if fitted else bw),
+             f"  a message between compute: {us(res['exchange_s'])}" + (bw if fitted else ""),
              f"  all-reduce: {us(res['allreduce_latency_s'])} per ring step, "
              f"{res['allreduce_bandwidth_Bps'] / 1e9:.2f} GB/s",
              f"  sync skew: {res['sync_skew']:.2f} of the compute before a synchronisation"]

@@ -40,6 +40,9 @@ import math
 import statistics
 import time
 
+import torch
+import torch.nn as nn
+
 __all__ = ["CalibrationChain", "CASES", "measure_steps", "timed_rounds", "fit_figures"]
 
 # (width, batch) of the calibration chains: about 2 ms and 10 ms of compute per step on
@@ -57,32 +60,21 @@ _AR_RANGE = (0.0, 5e-3)
 _SKEW_RANGE = (0.0, 0.15)
 
 
-def _chain_cls():
-    import torch
-    import torch.nn as nn
+class CalibrationChain(nn.Module):
+    """``layers`` x (Linear(width, width), tanh), then a mean-squared error."""
 
-    class CalibrationChain(nn.Module):
-        """``layers`` x (Linear(width, width), tanh), then a mean-squared error."""
+    def __init__(self, width: int, layers: int = LAYERS):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
 
-        def __init__(self, width: int, layers: int = LAYERS):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-        def forward(self, x, y):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return nn.functional.mse_loss(x, y)
-    return CalibrationChain
-
-
-def CalibrationChain(width: int, layers: int = LAYERS):  # noqa: N802 - a class made on demand
-    """The calibration model (torch is imported only when one is built)."""
-    return _chain_cls()(width, layers)
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return nn.functional.mse_loss(x, y)
 
 
 def build(width: int, batch: int):
     """(module, example inputs), the same in every process."""
-    import torch
     torch.manual_seed(0)
     m = CalibrationChain(width)
     g = torch.Generator().manual_seed(1)
@@ -109,8 +101,6 @@ def measure_steps(nprocs: int, rounds: int = 21, steps: int = 3, warmup: int = 3
     """In every rank of a running gloo group: {"<width>x<batch>": {strategy: [seconds per
     step, one per round]}} under the executor, strategies in interleaved rounds between
     barriers (:func:`timed_rounds`)."""
-    import torch
-
     from .api import parallelize
     from .machine import _cpu_default
     from .trace import trace
@@ -188,8 +178,6 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
     chains' ops on this CPU first (``profile``).  Returns ``exchange_s`` (a message's
     latency), ``bandwidth_Bps`` (a message's bandwidth), ``allreduce_latency_s``,
     ``sync_skew``, ``output_sync_s`` and ``fit`` (measured and predicted ms per case, the relative errors)."""
-    import torch
-
     from .cost import CostModel
     from .profile import profile_graph
     from .simulate import Simulator
