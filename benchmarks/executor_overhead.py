@@ -85,9 +85,9 @@ def _two_process_worker(rank: int, name: str, size: str, batch: int, steps: int,
     lo, hi = rank * batch // world, (rank + 1) * batch // world
     local = tuple(x[lo:hi] for x in inputs)
     ffm = parallelize(module, example_inputs=inputs, strategy=strategy)
-    ride = parallelize(module, example_inputs=inputs, strategy=strategy, reduce_outputs="with_gradients")
+    eager = parallelize(module, example_inputs=inputs, strategy=strategy, reduce_outputs="eager")
     runs = {"ddp": _Trainer(ddp, local), "ddp_global_loss": _Trainer(_GlobalLoss(ddp), local),
-            "flexflow": _Trainer(ffm, inputs), "flexflow_ride": _Trainer(ride, inputs)}
+            "flexflow": _Trainer(ffm, inputs), "flexflow_eager": _Trainer(eager, inputs)}
     for t in runs.values():
         t.steps(3)  # warm-up
     times = {k: [] for k in runs}
@@ -155,18 +155,18 @@ def two_processes(steps: int, rounds: int) -> list[dict]:
         per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
         ddp_s, ff_s = statistics.median(per["ddp"]), statistics.median(per["flexflow"])
         dgl_s = statistics.median(per["ddp_global_loss"])
-        ride_s = statistics.median(per["flexflow_ride"])
+        eager_s = statistics.median(per["flexflow_eager"])
         rows.append({"model": name, "size": size, "batch": batch, "processes": 2,
                      "ddp_samples_per_s": batch / ddp_s, "flexflow_samples_per_s": batch / ff_s,
-                     "flexflow_ride_samples_per_s": batch / ride_s, "ratio_ride": ddp_s / ride_s,
+                     "flexflow_eager_samples_per_s": batch / eager_s, "ratio_eager": ddp_s / eager_s,
                      "ddp_global_loss_samples_per_s": batch / dgl_s,
                      "ratio": ddp_s / ff_s, "ratio_vs_ddp_global_loss": dgl_s / ff_s,
                      "ddp_step_ms": ddp_s * 1000, "flexflow_step_ms": ff_s * 1000,
                      "rounds_ms": {k: [round(v * 1000, 2) for v in vs] for k, vs in per.items()},
                      "profile_rank0_ms_per_step": res[0]["profile"]})
         print(f"2 procs {name:12s} DDP {batch / ddp_s:8.1f}  DDP+global loss {batch / dgl_s:8.1f}  "
-              f"flexflow {batch / ff_s:8.1f}  flexflow ride {batch / ride_s:8.1f} samples/s  "
-              f"ratio {ddp_s / ff_s:.3f} / {dgl_s / ff_s:.3f}, ride {ddp_s / ride_s:.3f}",
+              f"flexflow {batch / ff_s:8.1f}  flexflow eager {batch / eager_s:8.1f} samples/s  "
+              f"ratio {ddp_s / ff_s:.3f} / {dgl_s / ff_s:.3f}, eager {ddp_s / eager_s:.3f}",
               flush=True)
     return rows
 
@@ -242,19 +242,19 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
         "## Data parallel, 2 processes: flexflow against DistributedDataParallel",
         "",
         "DDP+global loss: DDP that also all-reduces the loss value so that every rank returns",
-        "the global loss, as flexflow's default (`reduce_outputs=\"eager\"`) does (one more collective",
-        "per step).  flexflow ride: `reduce_outputs=\"with_gradients\"`, the global loss carried by the",
-        "gradient all-reduce (no collective beyond DDP's).",
+        "the global loss, as flexflow's `reduce_outputs=\"eager\"` (the *flexflow eager* column) does (one",
+        "more collective per step).  flexflow: the default, the global loss carried by the gradient",
+        "all-reduce (no collective beyond DDP's).",
         "",
         "| model | global batch | DDP samples/s | DDP+global loss samples/s | flexflow samples/s "
-        "| flexflow ride samples/s | flexflow / DDP | flexflow / DDP+global loss | flexflow ride / DDP |",
+        "| flexflow eager samples/s | flexflow / DDP | flexflow / DDP+global loss | flexflow eager / DDP |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in two:
         lines.append(f"| {r['model']} ({r['size']}) | {r['batch']} | {r['ddp_samples_per_s']:.1f} | "
                      f"{r['ddp_global_loss_samples_per_s']:.1f} | {r['flexflow_samples_per_s']:.1f} | "
-                     f"{r['flexflow_ride_samples_per_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['ratio_vs_ddp_global_loss']:.2f} | {r['ratio_ride']:.2f} |")
+                     f"{r['flexflow_eager_samples_per_s']:.1f} | "
+                     f"{r['ratio']:.2f} | {r['ratio_vs_ddp_global_loss']:.2f} | {r['ratio_eager']:.2f} |")
     lines += ["", "Where a flexflow step goes on rank 0 (ms per step, cProfile):", ""]
     for r in two:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["profile_rank0_ms_per_step"].items())
@@ -286,14 +286,16 @@ same script moves them by that much.
 receive posted at the start of the step and waited on at first use, sends
 posted as soon as their producer is computed, the gradient buckets all-reduced
 asynchronously from the backward, and the global loss all-reduced while the
-backward runs (the returned loss waits at its first read).  The ops that
+backward runs (the returned loss waits at its first read): both ride on the
+gradient all-reduce by default.  The ops that
 read only constants (the transformer's position embedding) are replicated,
 so data parallelism exchanges no activation at all.  What is left against
 DDP is mostly that one all-reduce of the loss: DDP returns each rank's local
 loss, flexflow the global one on every rank, and on this host a collective
-costs about as much as a few dozen small ops.  With
-`reduce_outputs="with_gradients"` the loss rides at the end of a gradient
-bucket and the step has DDP's collectives only (the *flexflow ride* column).
+costs about as much as a few dozen small ops.  By default the loss rides at
+the end of a gradient bucket and the step has DDP's collectives only; the
+*flexflow eager* column all-reduces it on its own
+(`reduce_outputs="eager"`).
 
 **One process.**  Each step of a rank's program is compiled once into a
 function (how every input and parameter is read, the rule's per-partition

@@ -10,12 +10,13 @@ contenders on the same processes and the same global batch:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the plain module,
   each rank running its half of the batch (what a user writes by hand);
-- ``flexflow_dp``: ``flexflow.parallelize`` with ``Strategy.data_parallel``;
+- ``flexflow_dp``: ``flexflow.parallelize`` with ``Strategy.data_parallel``
+  (the global loss rides on the gradient all-reduce, the default: no
+  collective beyond DDP's, which returns each rank's local loss);
 - ``flexflow_searched``: ``flexflow.parallelize`` with no strategy: rank 0
   searches (``--budget`` seconds, on the detected host) and broadcasts;
-- ``flexflow_dp_ride``: data parallel with ``reduce_outputs="with_gradients"``
-  (the global loss rides on the gradient all-reduce: no collective beyond
-  DDP's, which returns each rank's local loss).
+- ``flexflow_dp_eager``: data parallel with ``reduce_outputs="eager"`` (the
+  global loss all-reduced on its own, started at the end of the forward).
 
 Rounds alternate between the contenders so that load from other jobs hits
 them alike; each round is ``--steps`` SGD steps, timed on every rank, and a
@@ -102,9 +103,9 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
     runs = {"ddp": _Trainer(ddp, tuple(x[lo:hi] for x in inputs)), "flexflow_dp": _Trainer(dp, inputs),
             "flexflow_searched": _Trainer(searched, inputs)}
     if ride:
-        runs["flexflow_dp_ride"] = _Trainer(ff.parallelize(
+        runs["flexflow_dp_eager"] = _Trainer(ff.parallelize(
             module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine), machine=machine,
-            reduce_outputs="with_gradients"), inputs)
+            reduce_outputs="eager"), inputs)
     check = _losses(runs["flexflow_searched"], check_steps)  # from the initial parameters
     for t in runs.values():
         t.steps(3)  # warm-up
@@ -122,7 +123,8 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
                               "flexflow_dp": sim.simulate(dp_s).iteration_time,
                               "flexflow_searched": sim.simulate(searched.strategy).iteration_time}
         if ride:
-            out["predicted_s"]["flexflow_dp_ride"] = out["predicted_s"]["flexflow_dp"]
+            out["predicted_s"]["flexflow_dp_eager"] = ff.Simulator(
+                graph, machine, CostModel.for_machine(machine), reduce_outputs="eager").simulate(dp_s).iteration_time
         out["search_s"] = search_s
         out["machine"] = machine.name
         out["strategy_table"] = _strategy_lines(graph, searched.strategy, dp_s)
@@ -141,7 +143,7 @@ def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check
     """One launch of 2 processes for one model: the row of the report.  With
     ``check_steps``, also the searched run's first losses from the initial
     parameters (``check_losses``, rank 0), to compare with :func:`reference_losses`;
-    ``ride``: one more contender, ``flexflow_dp_ride``."""
+    ``ride``: one more contender, ``flexflow_dp_eager``."""
     ff.Machine.detect()  # calibrate a new host here, before the ranks read the cached figures
     res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, check_steps, ride, timeout_s=900)
     per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
@@ -185,7 +187,7 @@ def run(cases, steps: int, rounds: int, budget: float) -> list[dict]:
 
 def write_report(rows, command: str, seconds: float, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    names = [k for k in ("ddp", "flexflow_dp", "flexflow_dp_ride", "flexflow_searched") if k in rows[0]["step_ms"]]
+    names = [k for k in ("ddp", "flexflow_dp", "flexflow_dp_eager", "flexflow_searched") if k in rows[0]["step_ms"]]
     lines = ["# Measured speed against DDP (2 gloo processes, CPU)", "",
              f"Command (from the repository root): `{command}` ({seconds:.0f} s; torch {torch.__version__}, "
              f"{os.cpu_count()} CPUs, one thread per process).", "",

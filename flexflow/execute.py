@@ -202,7 +202,7 @@ class Runtime:
 
     def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
                  *, device=None, timeout_s: float = 300.0, bucket_cap_mb: float = BUCKET_CAP_MB,
-                 reduce_outputs: str = "eager"):
+                 reduce_outputs: str = "with_gradients"):
         self.graph, self.strategy, self.module = graph, strategy, module
         self.ranks = [int(r) for r in ranks]  # device k of the strategy -> global rank
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -278,6 +278,7 @@ class Runtime:
         self.program: list[_Step] = []
         self.exchanges: list[Exchange] = []  # this rank's exchange steps
         self.num_exchanges = 0
+        self.last_exchange_op = -1  # forward position of the last op that takes an input from another rank
         self.comm_bytes = 0  # activation bytes moved per forward, all ranks together
         for op in g.ops:
             if op.everywhere:
@@ -327,6 +328,7 @@ class Runtime:
         self._pending: list = []  # Once waits of outputs still being all-reduced
         self._riding = False  # this forward's outputs ride on the gradient all-reduce
         self._riders: list = []  # their jobs not yet launched, in graph order
+        self._early: list = []  # results of ride buckets this rank all-reduced early (read before backward)
         self.broken: str | None = None
         # values this rank can drop after each step (autograd keeps what backward needs)
         last: dict[str, int] = {}
@@ -345,7 +347,9 @@ class Runtime:
         outputs under ``reduce_outputs="with_gradients"``, or None.  It must
         span every rank and hold the outputs' dtype; all ranks pick the same one
         (the latest gate in forward order with such a bucket: the first to launch
-        in the backward, usually)."""
+        in the backward, usually).  Its gate must come after every exchange step
+        in the forward: the token chain then has every rank reach it in the
+        backward without waiting on another, which ``_early_ride`` relies on."""
         if self.reduce_outputs != "with_gradients" or not self.outputs or not self.distributed \
                 or self.world == 1:
             return None
@@ -355,8 +359,12 @@ class Runtime:
             return None
         every = tuple(range(self.world))
         for gi in sorted(gates, reverse=True):
+            if gi < self.last_exchange_op:
+                break
             for pos, (key, quals) in enumerate(gates[gi]):
                 if tuple(key) == every and self.params[quals[0]].dtype in dtypes:
+                    self.ride_numel = sum(self.params[q].numel() for q in quals)
+                    self.ride_dtype = self.params[quals[0]].dtype
                     return (self.graph.ops[gi].name, pos)
         return None
 
@@ -416,6 +424,7 @@ class Runtime:
         if remote:
             index = self.num_exchanges
             self.num_exchanges += 1
+            self.last_exchange_op = self.graph.index[op.name]
             self.comm_bytes += sum(math.prod(p.shape) for p in remote) * dtype_bytes(prod.dtype)
         me = self.rank
         sends = [p for p in remote if p.src == me]
@@ -522,12 +531,14 @@ class Runtime:
     def _make_groups(self) -> None:
         """Process groups, created by every rank in the same order."""
         self.groups: dict[tuple, object] = {}
-        self.p2p_group = self.coll_group = None
+        self.p2p_group = self.coll_group = self.ride_group = None
         if not self.distributed or self.world == 1:
             return
         every = list(range(self.world))
         self.p2p_group = dist.new_group(every, timeout=self.timeout)
         self.coll_group = dist.new_group(every, timeout=self.timeout)
+        if self.ride is not None:  # the ride bucket and its repairs only (see _GradSync)
+            self.ride_group = dist.new_group(every, timeout=self.timeout)
         keys = set()
         for view, shards, trainable in self.placement.values():
             if trainable:
@@ -539,8 +550,9 @@ class Runtime:
             self.groups[key] = dist.new_group(list(key), timeout=self.timeout)
         # one collective on each new group first (NCCL batched p2p needs it)
         flag = torch.zeros(1, device=self.device)
-        dist.all_reduce(flag, group=self.p2p_group)
-        dist.all_reduce(flag, group=self.coll_group)
+        for group in (self.p2p_group, self.coll_group, self.ride_group):
+            if group is not None:
+                dist.all_reduce(flag, group=group)
 
     # -- communication ------------------------------------------------------
     def p2p(self, ops) -> list:
@@ -556,17 +568,40 @@ class Runtime:
 
     def _read_rider(self, job: "_Rider") -> None:
         """An output riding on the gradient all-reduce, at its first read (or at
-        the next step): already there after the backward; read before it, it
-        is all-reduced on its own now -- which every rank must then do too."""
+        the next step): already there after the backward; read before it, the
+        ride bucket is all-reduced now (see ``_early_ride``)."""
         if job.state == _Rider.WAITING:
-            self._riders = [j for j in self._riders if j is not job]
-            work = dist.all_reduce(job.full, group=self.coll_group, async_op=True)
-            self.wait([work], lambda: f"all_reduce of output {job.name!r} among all {self.world} ranks, read "
-                                      f"before backward() (with reduce_outputs='with_gradients' every rank must "
-                                      f"read it before backward, or none)")
-            job.state = _Rider.DONE
+            self._early_ride()
         elif job.state == _Rider.SENT:  # read during the backward
             self.sync.finish()
+
+    def _early_ride(self) -> None:
+        """The outputs read before the backward, on this rank: it takes its part
+        in the ride bucket's all-reduce now, with zeros for its gradients and a
+        1 in the bucket's last element, which counts the ranks that did so.  The
+        other ranks need not know: they launch the bucket in their backward as
+        always, and the sum gives every output's full value.  Every rank then
+        learns from the count that gradients are missing from it, and at the end
+        of the backward every rank makes one more all-reduce of the bucket's
+        gradients (``_GradSync.finish``): these ranks with theirs, the others
+        with zeros.  A read on some ranks only, before the backward, thus costs
+        one collective and never waits for a peer that will not come."""
+        riders, self._riders = self._riders, []
+        pieces = [torch.zeros(self.ride_numel, dtype=self.ride_dtype, device=self.device)]
+        pieces += [job.full.reshape(-1) for job in riders]
+        pieces.append(torch.ones(1, dtype=self.ride_dtype, device=self.device))
+        flat = torch.cat(pieces)
+        work = dist.all_reduce(flat, group=self.ride_group, async_op=True)
+        self.wait([work], lambda: f"all_reduce of outputs {[j.name for j in riders]} among all {self.world} "
+                                  f"ranks, read before backward()")
+        off = self.ride_numel
+        with torch.no_grad():
+            for job in riders:
+                n = job.full.numel()
+                job.full.copy_(flat[off:off + n].view_as(job.full))
+                off += n
+                job.state = _Rider.DONE
+        self._early.append(flat)
 
     def wait(self, works, what=None) -> None:
         """Wait for works; a failure names this rank, the step and ``what()``
@@ -592,7 +627,7 @@ class Runtime:
         works += [w for ws, _ in self._sends + self._bwd_sends for w in ws]
         self.sync.reset()
         self._pending, self._sends, self._bwd_sends, self._recv, self._bwd_recv = [], [], [], {}, {}
-        self._riders = []
+        self._riders, self._early = [], []
         works = [w for w in works if w is not None]
         if wait_s > 0 and works and not self.nccl:
             for w in works:
@@ -601,8 +636,9 @@ class Runtime:
                 except Exception:  # noqa: BLE001 - a dead peer: nothing left to wait for
                     break
         del works
-        groups = [g for g in [self.p2p_group, self.coll_group, *self.groups.values()] if g is not None]
-        self.groups, self.p2p_group, self.coll_group = {}, None, None
+        groups = [g for g in [self.p2p_group, self.coll_group, self.ride_group, *self.groups.values()]
+                  if g is not None]
+        self.groups, self.p2p_group, self.coll_group, self.ride_group = {}, None, None, None
         if destroy_groups and dist.is_available() and dist.is_initialized():
             for g in groups:
                 try:
@@ -678,6 +714,7 @@ class Runtime:
     def _run(self, inputs, tensors, input_ops):
         grad = torch.is_grad_enabled()
         self._riding = grad and self.ride is not None
+        self._early = []  # (a backward takes the early rides of the forwards since the last one)
         self._post_forward_recvs()
         token = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
         vals: dict[str, torch.Tensor] = {}
@@ -1028,15 +1065,20 @@ class _GradSync:
             params = [rt.params[q] for q in quals]
             pieces = [(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
                       for q, p in zip(quals, params)]
-            riders = []
-            if rt.ride == (gate.op, pos):  # the outputs ride along (every rank, every step)
+            riders, ride = [], rt.ride == (gate.op, pos)
+            if ride and rt._early:  # this rank took its part early (Runtime._early_ride): repaired at the end
+                early = rt._early.pop(0)
+                self.works.append((None, early, params, key, riders, torch.cat(pieces)))
+                continue
+            if ride:  # the outputs ride along (every rank, every step), and a 0: no gradient missing here
                 riders, rt._riders = rt._riders, []
                 pieces += [job.full.reshape(-1) for job in riders]
+                pieces.append(torch.zeros(1, dtype=pieces[0].dtype, device=pieces[0].device))
             flat = self._flat((gate.op, pos), pieces)
-            work = dist.all_reduce(flat, group=rt.groups[key], async_op=True)
+            work = dist.all_reduce(flat, group=rt.ride_group if ride else rt.groups[key], async_op=True)
             for job in riders:
                 job.state = _Rider.SENT
-            self.works.append((work, flat, params, key, riders))
+            self.works.append((work, flat, params, key, riders, ride))
 
     def _flat(self, slot, pieces) -> torch.Tensor:
         """The pieces concatenated into the slot's buffer (a new one when it is
@@ -1056,8 +1098,14 @@ class _GradSync:
     def finish(self) -> None:
         try:
             works, self.works = self.works, []
-            for work, flat, params, key, riders in works:
-                self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
+            for work, flat, params, key, riders, ride in works:
+                n_grads = sum(p.numel() for p in params)
+                if work is None:  # this rank's part was early: its gradients come in the repair
+                    self._repair(flat, n_grads, ride)
+                else:
+                    self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
+                    if ride is True and flat[-1].item() > 0:  # some rank took its part early
+                        self._repair(flat, n_grads, None)
                 off = 0
                 for p in params:
                     n = p.numel()
@@ -1075,6 +1123,18 @@ class _GradSync:
                         job.state = _Rider.DONE
         finally:
             self.reset()
+
+    def _repair(self, flat: torch.Tensor, n: int, mine) -> None:
+        """The ride bucket's gradients that ranks reading the outputs early left
+        out (``Runtime._early_ride``): one more all-reduce on the ride group, in
+        which those ranks give theirs (``mine``) and the others zeros; added to
+        the first ``n`` elements of ``flat`` (the bucket's sum so far)."""
+        rt = self.rt
+        extra = mine if mine is not None else torch.zeros(n, dtype=flat.dtype, device=flat.device)
+        work = dist.all_reduce(extra, group=rt.ride_group, async_op=True)
+        rt.wait([work], lambda: f"gradients of the ride bucket, after an output was read before backward() "
+                                f"on some rank")
+        flat[:n] += extra
 
     def reset(self) -> None:
         self.works, self.armed = [], False

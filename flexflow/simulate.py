@@ -95,10 +95,16 @@ class Simulator:
     whose state and step temporaries count in ``peak_memory``.  ``sync``: "ring" (bucketed
     ring all-reduce overlapping the backward, as the executor and DDP sync) or "ps" (the
     paper's runtime: gradients gathered to one replica and sent back, added after the task
-    graph with no overlap -- only to put the paper's figures side by side)."""
+    graph with no overlap -- only to put the paper's figures side by side).
+    ``reduce_outputs``: how the executor returns the loss to every rank
+    (:func:`flexflow.parallelize`): "with_gradients" (its default) rides on a gradient
+    all-reduce over every device where the strategy has one and moves no activation
+    between devices, and costs nothing of its own there; otherwise, and under "eager",
+    the loss's all-reduce adds its latency (``output_sync_s``) to the step."""
 
     def __init__(self, graph, machine, cost_model: CostModel | None = None, *, optimizer: str = "sgd",
-                 sync: str = "ring", max_delta_fraction: float = 0.25):
+                 sync: str = "ring", max_delta_fraction: float = 0.25,
+                 reduce_outputs: str = "with_gradients"):
         self.graph, self.machine = graph, machine
         self.cost_model = cost_model or CostModel(machine)
         self._fingerprint = machine.fingerprint()
@@ -107,7 +113,9 @@ class Simulator:
         optimizer_state_copies(optimizer)  # a clear error for an unknown optimizer
         if sync not in SYNC_MODELS:
             raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
-        self.optimizer, self.sync = optimizer, sync
+        if reduce_outputs not in ("eager", "with_gradients"):
+            raise ValueError(f"reduce_outputs must be 'eager' or 'with_gradients', got {reduce_outputs!r}")
+        self.optimizer, self.sync, self.reduce_outputs = optimizer, sync, reduce_outputs
         key = (id(graph), self._fingerprint, optimizer, sync)
         ctx = shared.get(key)
         if ctx is None or ctx.graph is not graph:
@@ -215,7 +223,10 @@ class Simulator:
         collective's latency holds its members' cores, so it adds to the step: one per
         gradient bucket the executor forms (per device group, ``GRAD_BUCKET_BYTES`` each)
         and the all-reduce of the outputs (the loss) among all ranks (``output_sync_s``
-        where calibrated)."""
+        where calibrated), unless the loss rides on a bucket over every device: the
+        executor does so when that bucket's gate follows every activation exchange, which
+        this takes as "no exchange at all" (a strategy that mixes both is charged the
+        loss's latency)."""
         if self.sync != "ring":
             return 0
         m, per_group = self.machine, {}
@@ -223,7 +234,10 @@ class Simulator:
             for devices, nb in cp.bucket_bytes.items():
                 per_group[devices] = per_group.get(devices, 0) + nb
         lat = sum(-(-nb // GRAD_BUCKET_BYTES) * m.allreduce_latency_s(devices) for devices, nb in per_group.items())
-        return int(round((lat + self._loss_latency_s) * PS))
+        D = self.ctx.D
+        rides = (self.reduce_outputs == "with_gradients" and D > 1 and any(len(set(k)) == D for k in per_group)
+                 and not tg.OPCOMM.any())
+        return int(round((lat + (0.0 if rides else self._loss_latency_s)) * PS))
 
     def _after_graph_ps(self, tg: TaskGraph) -> int:
         """What the step adds after the task graph: the parameter server's time (sync="ps")

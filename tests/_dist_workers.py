@@ -151,8 +151,8 @@ def make_strategy(spec: str, graph, machine) -> Strategy:
 def _spec_flags(spec: str) -> tuple[str, set]:
     """"STRATEGY...[+flag]...": the spec without its flags, and the flags.
     +tiny: ~100-byte gradient buckets (nearly every shard its own all-reduce);
-    +ride: reduce_outputs="with_gradients"; +early: every rank reads the loss
-    before its backward."""
+    +eager: reduce_outputs="eager" (the default rides on the gradients); +early:
+    every rank reads the loss before its backward; +earlyR: only rank R does."""
     base, *flags = spec.split("+")
     return base, set(flags)
 
@@ -244,15 +244,17 @@ def equivalence(rank: int, cases):
             flags = _spec_flags(spec)[1]
             model = parallelize(module, devices, example_inputs=example, strategy=strategy,
                                 bucket_cap_mb=1e-4 if tiny else 25.0,
-                                reduce_outputs="with_gradients" if "ride" in flags else "eager")
-            losses = _train(model, module, batch, early="early" in flags)
-            if "early" in flags:  # the loss read before and after the backward: the same value
+                                reduce_outputs="eager" if "eager" in flags else "with_gradients")
+            early = "early" in flags or f"early{rank}" in flags
+            losses = _train(model, module, batch, early=early)
+            if early:  # the loss read before and after the backward: the same value
                 if losses[0::2] != losses[1::2]:
                     raise AssertionError(f"{spec}: loss read before backward {losses[0::2]} differs "
                                          f"from after {losses[1::2]}")
                 losses = losses[1::2]
-            if "ride" in flags and model.runtime.ride is None and strategy.name == "data_parallel":
-                raise AssertionError(f"{spec}: data parallelism found no gradient bucket to carry the outputs")
+            if "eager" not in flags and n == world and model.runtime.ride is None \
+                    and strategy.name == "data_parallel" and not model.runtime.num_exchanges:
+                raise AssertionError(f"{name} {spec}: data parallelism found no gradient bucket to carry the outputs")
             state = model.state_dict()
             rec = {"model": name, "spec": spec, "mode": mode, "losses": losses,
                    "exchanges": model.runtime.num_exchanges, "comm_bytes": model.runtime.comm_bytes}

@@ -38,8 +38,10 @@ HEAVY = {"inception_v3", "resnet101"}  # hundreds of ops: fewer random strategie
 # (model, batch, mode, strategies, check state_dict round trip)
 CASES_2 = [(m, 5, "eval", BASIC + (["random:0"] if m in HEAVY else ["random:0", "random:1"])
             + (["data_parallel+tiny"] if m == "transformer" else [])  # +tiny: 100-byte buckets
-            # +ride: the loss rides on the gradient all-reduce; +early: read before backward too
-            + (["data_parallel+ride", "random:0+ride", "data_parallel+tiny+ride+early", "model_parallel+ride"]
+            # the loss rides on the gradient all-reduce by default; +eager: on its own;
+            # +early: read before backward too, +earlyR: on rank R only
+            + (["data_parallel+eager", "random:0+eager", "data_parallel+tiny+early", "data_parallel+early0",
+                "data_parallel+tiny+early1", "model_parallel+early0", "random:1+early1"]
                if m in ("rnnlm", "transformer") else [])
             + (["single_device"] if m in ("rnnlm", "lenet") else []),  # rank 1 only receives the loss
             m in ("lenet", "transformer")) for m in ZOO]
@@ -54,7 +56,8 @@ CASES_2 += [
 # "@3,1": the strategy's devices 0, 1 on ranks 3, 1 (ranks 0 and 2 hold nothing but still
 # return the outputs); "#3": on the first 3 ranks
 CASES_4 = [(m, 6, "eval", BASIC + ["random:0", "random:1", "random:2"]
-            + (["random:0+tiny", "random:1@3,1", "data_parallel#3"] if m == "tinylm" else [])
+            + (["random:0+tiny", "random:1@3,1", "data_parallel#3", "data_parallel+early2"]
+               if m == "tinylm" else [])
             + (["model_parallel@2,0,3"] if m == "lenet" else []), m == "rnnlm")
            for m in ("lenet", "rnnlm", "transformer", "branchnet", "tinylm")]
 CASES_4 += [("nmt", 6, "eval", ["expert", "random:3"], False),

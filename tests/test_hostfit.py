@@ -88,6 +88,31 @@ def test_output_sync_replaces_the_loss_all_reduce_latency():
     assert "output_sync_s" not in base.to_dict()["device"]  # uncalibrated descriptions unchanged
 
 
+def test_the_loss_rides_on_data_parallel_gradients_only():
+    """Under the executor's default (``reduce_outputs="with_gradients"``) a strategy
+    with a gradient bucket over every device and no activation exchange pays nothing
+    for returning the loss; under "eager" it pays ``output_sync_s``.  Strategies that
+    exchange activations, or hold everything on one device, pay it either way."""
+    import flexflow as ff
+    from flexflow.strategy import Strategy
+    base = cpu_machine_from_figures(FIGURES, devices=2)
+    m = hostfit._machine(base, 80e-6, 300e-6, 0.0, None, 70e-6)
+    module, inputs = ff.models.get("lenet", batch_size=8, size="small", device="meta")
+    graph = trace(module, inputs)
+    cost = CostModel(m)
+    strategies = {"dp": Strategy.data_parallel(graph, m), "mp": Strategy.model_parallel(graph, m),
+                  "one": Strategy.single_device(graph, m)}
+
+    def t(name, mode):
+        return Simulator(graph, m, cost, reduce_outputs=mode).simulate(strategies[name], incremental=False) \
+            .iteration_time
+    assert t("dp", "eager") - t("dp", "with_gradients") == pytest.approx(70e-6, abs=1e-9)
+    assert t("mp", "eager") == t("mp", "with_gradients")
+    assert t("one", "eager") == t("one", "with_gradients")
+    with pytest.raises(ValueError, match="reduce_outputs"):
+        Simulator(graph, m, cost, reduce_outputs="later")
+
+
 def test_a_failed_fit_keeps_the_micro_figures(monkeypatch):
     """When the calibration chains did not run on some rank, or the fit fails, the
     calibration warns and keeps the micro-benchmark figures (nothing is lost)."""

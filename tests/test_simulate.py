@@ -406,7 +406,8 @@ def _on_cores(devices=4):
 def test_comm_on_cores_holds_both_ends_and_adds_collective_latency(lenet):
     """Where communication runs on the cores that compute, a transfer keeps its sender and
     receiver busy for its duration (so the devices' busy time grows by exactly those
-    transfers and all-reduces), and each gradient bucket's and the loss all-reduce's latency adds to the step."""
+    transfers and all-reduces), and each gradient bucket's and the loss all-reduce's latency adds to the step
+    (the loss's only where it does not ride on the gradients)."""
     from flexflow.cost import GRAD_BUCKET_BYTES
     from flexflow.taskkeys import SYNC, TID_BITS, XB, XF, decode_prio
     on, off = _on_cores(4)
@@ -424,15 +425,19 @@ def test_comm_on_cores_holds_both_ends_and_adds_collective_latency(lenet):
     assert sum(extra) > 0
     for d in range(4):
         assert r_on.device_busy[d] == pytest.approx(r_off.device_busy[d] + extra[d] / 1e12, rel=1e-9)
-    # data parallelism: the gradients of lenet fit one bucket; one latency for it, one for the loss
+    # data parallelism: the gradients of lenet fit one bucket; one latency for it, and the
+    # loss rides on it; all-reduced on its own ("eager"), the loss adds one more
     dp = Strategy(lenet, dict(Strategy.data_parallel(lenet, off).items()))
     nbytes = lenet.param_bytes
     assert nbytes < GRAD_BUCKET_BYTES
     lat = on.allreduce_latency_s(range(4))
     assert lat == pytest.approx(6 * 150e-6)
     son.simulate(dp)
-    assert son._collective_latency_ps(son._tg) == round(2 * lat * 1e12)
-    assert son.simulate(dp).iteration_time >= 2 * lat
+    assert son._collective_latency_ps(son._tg) == round(lat * 1e12)
+    eager = Simulator(lenet, on, reduce_outputs="eager")
+    eager.simulate(dp)
+    assert eager._collective_latency_ps(eager._tg) == round(2 * lat * 1e12)
+    assert eager.simulate(dp).iteration_time >= 2 * lat
 
 
 def test_sync_skew_costs_a_share_of_the_second_busiest_compute(lenet):

@@ -22,9 +22,10 @@ class SearchError(ValueError):
     """The search cannot run on this graph/machine (no candidate config, bad init, ...)."""
 
 
-def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
+def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring",
+               reduce_outputs: str = "with_gradients"):
     from ..simulate import Simulator  # imported late: simulate imports nothing from here
-    return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync)
+    return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync, reduce_outputs=reduce_outputs)
 
 
 # --------------------------------------------------------------------------- space & costs

@@ -39,7 +39,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
            polish: bool = True, temperature: float = 0.01,
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
-           screen: bool = True, block: float = 0.1, baseline_results: dict | None = None) -> SearchResult:
+           screen: bool = True, block: float = 0.1, baseline_results: dict | None = None,
+           reduce_outputs: str = "with_gradients") -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     budget: seconds for the whole call (baselines included); ignored when
@@ -68,6 +69,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         every strategy must fit.
     sync: the simulator's parameter-sync model ("ring", or "ps" for the paper's
         parameter server; see :class:`flexflow.Simulator`).
+    reduce_outputs: how the executor will return the loss to every rank
+        (:func:`flexflow.parallelize`), which the simulator prices.
     screen: reject, without simulating, a proposal whose lower bound (the load of
         its busiest device or link, :class:`flexflow.bound.LoadBound`) already fails
         the acceptance test.  The uniform draw of the test is made before the
@@ -105,7 +108,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             raise SearchError("baseline_results needs the baselines it was simulated from")
         base_res = dict(baseline_results)
     else:
-        sim0 = _simulator(graph, machine, cm, optimizer, sync)
+        sim0 = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
         base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
     spent = time.perf_counter() - t0
     if evaluations is None and spent >= 0.5 * budget:
@@ -144,7 +147,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     try:
         state, cost, sims, bounds, size = [], [], [], [], []
         for name, s in starts:
-            sim = _simulator(graph, machine, cm, optimizer, sync)
+            sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
             # a baseline start is simulated already; the chain's simulator starts with its
             # first proposal
             res = base_res[name] if name in base_res else sim.simulate(s, incremental=delta)
@@ -208,7 +211,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         converged = False
         if polish and space.movable:
             converged, polished = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
-                                           screen)
+                                           reduce_outputs, screen)
             screened += polished
     finally:
         run.close()
@@ -271,7 +274,8 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> 
 
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
-             optimizer: str = "sgd", sync: str = "ring", screen: bool = True) -> tuple[bool, int]:
+             optimizer: str = "sgd", sync: str = "ring", reduce_outputs: str = "with_gradients",
+             screen: bool = True) -> tuple[bool, int]:
     """Local descent from the run's best strategy, first improvement: single-group
     changes (in a seeded order) until none improves; then pair moves (two adjacent
     groups, producer and consumer, to one common config: a change the one-group
@@ -280,7 +284,7 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
     single-group or pair change improves: a local optimum), False when the budget
     ran out first; and how many attempts the load lower bound settled (a change whose
     bound is no better than the current cost cannot improve it)."""
-    sim = _simulator(graph, machine, cm, optimizer, sync)
+    sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
     pairs = []
