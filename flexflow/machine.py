@@ -200,8 +200,10 @@ def _calibrate_once() -> None:
 _CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew")
 # version 3: on a host whose messages share the computing cores, those three figures (and
 # the cost of returning the outputs) are
-# fitted to the executor's steps (flexflow.hostfit); older files are measured again
-CALIBRATION_VERSION = 3
+# fitted to the executor's steps (flexflow.hostfit); older files are measured again.
+# version 4: the calibration chain's loss (an MSE) splits with the samples, so its data-parallel
+# steps exchange nothing and return the loss on the gradients' all-reduce, as the executor now does
+CALIBRATION_VERSION = 4
 
 
 def _calibration_current(path: Path) -> bool:

@@ -111,7 +111,28 @@ class RecurrentNet(nn.Module):
                 InputSpec((batch,), "index", self.classes)]
 
 
-CUSTOM = {"branchnet": BranchNet, "tinylm": TinyLM, "recurrent": RecurrentNet}
+class Regressor(nn.Module):
+    """A regression head trained on element-wise losses as users write them: the
+    functional and the module forms, each reduction, and keywords (beta, delta)."""
+
+    def __init__(self, feat: int = 6, hid: int = 8, out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(feat, hid)
+        self.fc2 = nn.Linear(hid, out)
+        self.smooth = nn.SmoothL1Loss(beta=0.5)
+        self.bce = nn.BCEWithLogitsLoss(reduction="sum")
+        self.feat, self.out = feat, out
+
+    def forward(self, x, y):
+        z = self.fc2(torch.tanh(self.fc1(x)))
+        return (F.mse_loss(z, y) + self.smooth(z, y) + 0.1 * self.bce(z, torch.sigmoid(y))
+                + F.huber_loss(z, y, delta=2.0) + F.l1_loss(z, y, reduction="none").mean())
+
+    def input_specs(self, batch: int):
+        return [InputSpec((batch, self.feat), "float"), InputSpec((batch, self.out), "float")]
+
+
+CUSTOM = {"branchnet": BranchNet, "tinylm": TinyLM, "recurrent": RecurrentNet, "regressor": Regressor}
 
 
 def build(name: str, batch: int, seed: int = 0):

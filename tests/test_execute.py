@@ -50,6 +50,8 @@ CASES_2 += [
     ("tinylm", 5, "eval", BASIC + ["random:0", "random:1", "random:2"], True),
     ("branchnet", 5, "train", ["bnchannel:0", "bnchannel:1", "model_parallel"], True),
     ("alexnet", 5, "train", ["random:2"], False),
+    # element-wise losses (MSE, smooth L1, BCE with logits, Huber, L1) split like their input
+    ("regressor", 5, "eval", BASIC + ["random:0", "random:1", "random:2", "data_parallel+early1"], True),
     # nn.LSTM / nn.GRU: 20 random strategies (they once hung both ranks in a receive)
     ("recurrent", 5, "eval", BASIC + [f"random:{k}" for k in range(20)], True),
 ]

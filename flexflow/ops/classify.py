@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ..ir import InputRef, Op, ParamRef
 from .catalog import POINTWISE, _functional_params, _module_params, _pair, index_attrs
+from .loss import POINTWISE_LOSSES
 from .shape import reshape_axis_map
 
 
@@ -178,6 +179,33 @@ def classify(b, name, module) -> Op:
             return _opaque(b, name, module, at, kt)
         attrs = {"fn": "nll" if name == "nll_loss" else "ce", "reduction": red, "ignore_index": ign}
         return b.make(name, "loss", attrs=attrs, **mk)
+
+    if name in POINTWISE_LOSSES and not isinstance(b.node.target, torch._ops.OpOverload):
+        spec = {"mse_loss": (4, (("weight", 5),)), "l1_loss": (4, (("weight", 5),)),
+                "smooth_l1_loss": (4, ()), "soft_margin_loss": (4, ()),
+                "huber_loss": (2, (("weight", 4),)),
+                "binary_cross_entropy": (5, (("weight", 2),)),
+                "binary_cross_entropy_with_logits": (5, (("weight", 2), ("pos_weight", 6)))}[name]
+        floats = {"beta": 5, "delta": 3}
+        if module is not None:
+            red = module.reduction
+            plain = all(getattr(module, k, None) is None for k, _ in spec[1])
+            keywords = tuple((k, float(getattr(module, k))) for k in POINTWISE_LOSSES[name])
+        else:
+            red = _get(av, kv, spec[0], "reduction", "mean")
+            plain = (all(_get(av, kv, i, k) is None for k, i in spec[1])
+                     and (name == "huber_loss" or (_get(av, kv, 2, "size_average") is None
+                                                   and _get(av, kv, 3, "reduce") is None)))
+            keywords = tuple((k, _get(av, kv, floats[k], k, 1.0)) for k in POINTWISE_LOSSES[name])
+        shapes = [tuple(b.ops_by_name[i].output_shape) for i in x_in]
+        ok = (plain and len(x_in) == 2 and not b.params and red in ("mean", "sum", "none")
+              and shapes[0] == shapes[1] and all(isinstance(v, (int, float)) for _, v in keywords)
+              and all(b.ops_by_name[i].dtype.is_floating_point for i in x_in)
+              and at[:2] == (InputRef(0), InputRef(1)))
+        if not ok:
+            return _opaque(b, name, module, at, kt)
+        attrs = {"fn": name, "reduction": red, "keywords": keywords}
+        return b.make(name, "pointwise_loss", attrs=attrs, **mk)
 
     # -- structure ---------------------------------------------------------------
     if name in ("cat", "concat", "concatenate", "stack"):

@@ -1,4 +1,4 @@
-"""Losses (cross-entropy, NLL) and opaque ops.
+"""Losses (cross-entropy, NLL; element-wise losses such as MSE) and opaque ops.
 
 A loss with reduction 'mean' or 'sum' returns a scalar: its sample dim is a
 reduction dim, each partition computes a partial sum (already divided by
@@ -75,6 +75,65 @@ class Loss(Rule):
     def flops(self, op, block):
         t = self._target_region(op, block)
         return 4.0 * math.prod(s.stop - s.start for s in t) * op.input_shapes[0][1]
+
+    def backward_factor(self, op):
+        return 1.0
+
+
+# element-wise losses of (input, target) of one shape: the functional, and its float keywords
+POINTWISE_LOSSES = {"mse_loss": (), "l1_loss": (), "smooth_l1_loss": ("beta",), "huber_loss": ("delta",),
+                    "binary_cross_entropy": (), "binary_cross_entropy_with_logits": (),
+                    "soft_margin_loss": ()}
+
+
+@register("pointwise_loss")
+class PointwiseLoss(Rule):
+    """A loss that is a sum (or mean) of one term per element of its input, such as
+    ``mse_loss``: every axis of the input splits, the batch axis being the sample dim.
+    Reduced ('mean', 'sum'), every dim is a reduction dim and the partitions hold
+    partial sums, each already divided by the whole input's size for 'mean'; with
+    'none' the output is split like the input."""
+
+    def dims(self, op: Op, batch):
+        reduced = op.attrs["reduction"] != "none"
+        dims = []
+        for axis, size in enumerate(op.input_shapes[0]):
+            if size <= 1:
+                continue
+            out_axis = None if reduced else axis
+            dims.append(batch_dim(out_axis, size, batch) if axis == 0
+                        else Dim(f"e{axis}", "attribute", out_axis, size))
+        return dims
+
+    def _region(self, op, block):
+        by_axis = {0 if d.name in ("n", "d0") else int(d.name[1:]): block_range(op, block, d.name)
+                   for d in op.dims}
+        return tuple(slice(*by_axis.get(a, (0, s))) for a, s in enumerate(op.input_shapes[0]))
+
+    def regions(self, op: Op, block: Block):
+        r = self._region(op, block)
+        return [r, r], {}
+
+    def compute(self, op, block, inputs, params):
+        return self.bind(op, block)(inputs, params)
+
+    def bind(self, op, block):
+        fn = getattr(F, op.attrs["fn"])
+        kw = dict(op.attrs.get("keywords", ()))
+        red = op.attrs["reduction"]
+        r = self._region(op, block)
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(r, op.input_shapes[0]))
+        if red == "none" or red == "sum" or whole:
+            return lambda inputs, params: fn(inputs[0], inputs[1], reduction=red, **kw)
+        count = math.prod(op.input_shapes[0])
+
+        def partial_mean(inputs, params):  # this block's share of the mean
+            return fn(inputs[0], inputs[1], reduction="sum", **kw) / count
+        return partial_mean
+
+    def flops(self, op, block):
+        r = self._region(op, block)
+        return 4.0 * math.prod(s.stop - s.start for s in r)
 
     def backward_factor(self, op):
         return 1.0
