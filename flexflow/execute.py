@@ -594,13 +594,7 @@ class Runtime:
         work = dist.all_reduce(flat, group=self.ride_group, async_op=True)
         self.wait([work], lambda: f"all_reduce of outputs {[j.name for j in riders]} among all {self.world} "
                                   f"ranks, read before backward()")
-        off = self.ride_numel
-        with torch.no_grad():
-            for job in riders:
-                n = job.full.numel()
-                job.full.copy_(flat[off:off + n].view_as(job.full))
-                off += n
-                job.state = _Rider.DONE
+        _copy_riders(riders, flat, self.ride_numel)
         self._early.append(flat)
 
     def wait(self, works, what=None) -> None:
@@ -1032,6 +1026,16 @@ class _OutputFn(torch.autograd.Function):
         return None, None, torch.zeros((), device=ctx.rt.device), gx
 
 
+def _copy_riders(riders, flat: torch.Tensor, off: int) -> None:
+    """The outputs riding in ``flat`` from ``off`` on, copied into their jobs."""
+    with torch.no_grad():
+        for job in riders:
+            n = job.full.numel()
+            job.full.copy_(flat[off:off + n].view_as(job.full))
+            off += n
+            job.state = _Rider.DONE
+
+
 def _uses(t: torch.Tensor) -> int | None:
     """How many tensors and views hold ``t``'s storage (None where this torch
     does not say: then no buffer is reused)."""
@@ -1068,7 +1072,7 @@ class _GradSync:
             riders, ride = [], rt.ride == (gate.op, pos)
             if ride and rt._early:  # this rank took its part early (Runtime._early_ride): repaired at the end
                 early = rt._early.pop(0)
-                self.works.append((None, early, params, key, riders, torch.cat(pieces)))
+                self.works.append((None, early, params, key, riders, True, torch.cat(pieces)))
                 continue
             if ride:  # the outputs ride along (every rank, every step), and a 0: no gradient missing here
                 riders, rt._riders = rt._riders, []
@@ -1078,7 +1082,7 @@ class _GradSync:
             work = dist.all_reduce(flat, group=rt.ride_group if ride else rt.groups[key], async_op=True)
             for job in riders:
                 job.state = _Rider.SENT
-            self.works.append((work, flat, params, key, riders, ride))
+            self.works.append((work, flat, params, key, riders, ride, None))
 
     def _flat(self, slot, pieces) -> torch.Tensor:
         """The pieces concatenated into the slot's buffer (a new one when it is
@@ -1098,13 +1102,13 @@ class _GradSync:
     def finish(self) -> None:
         try:
             works, self.works = self.works, []
-            for work, flat, params, key, riders, ride in works:
+            for work, flat, params, key, riders, ride, mine in works:
                 n_grads = sum(p.numel() for p in params)
-                if work is None:  # this rank's part was early: its gradients come in the repair
-                    self._repair(flat, n_grads, ride)
+                if work is None:  # this rank's part was early: its gradients (mine) come in the repair
+                    self._repair(flat, n_grads, mine)
                 else:
                     self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
-                    if ride is True and flat[-1].item() > 0:  # some rank took its part early
+                    if ride and flat[-1].item() > 0:  # some rank took its part early
                         self._repair(flat, n_grads, None)
                 off = 0
                 for p in params:
@@ -1115,12 +1119,7 @@ class _GradSync:
                         p.grad = g
                     else:
                         p.grad.add_(g)
-                with torch.no_grad():
-                    for job in riders:
-                        n = job.full.numel()
-                        job.full.copy_(flat[off:off + n].view_as(job.full))
-                        off += n
-                        job.state = _Rider.DONE
+                _copy_riders(riders, flat, off)
         finally:
             self.reset()
 
