@@ -52,6 +52,8 @@ CASES_2 += [
     ("alexnet", 5, "train", ["random:2"], False),
     # element-wise losses (MSE, smooth L1, BCE with logits, Huber, L1) split like their input
     ("regressor", 5, "eval", BASIC + ["random:0", "random:1", "random:2", "data_parallel+early1"], True),
+    # sums and means split along what they reduce (partial sums)
+    ("handmse", 5, "eval", BASIC + ["random:0", "random:1", "data_parallel+early0"], False),
     # nn.LSTM / nn.GRU: 20 random strategies (they once hung both ranks in a receive)
     ("recurrent", 5, "eval", BASIC + [f"random:{k}" for k in range(20)], True),
 ]
@@ -118,7 +120,7 @@ def test_equivalence_2_ranks(results_2, model, mode):
     recs = _check(results_2, model, mode)
     if mode == "eval" and model in ZOO:
         assert any(r["exchanges"] > 0 for r in recs), "no strategy moved activations between ranks"
-    if model == "transformer":  # its position embedding is replicated, as DDP has it
+    if model in ("transformer", "handmse"):  # position embedding replicated, as DDP has it; the mean split
         assert next(r for r in recs if r["spec"] == "data_parallel")["exchanges"] == 0
 
 

@@ -81,6 +81,38 @@ def test_random_strategies_stitch_to_whole_output(seed):
     torch.testing.assert_close(run_graph(g, m, inputs, s), m(*inputs), rtol=1e-5, atol=1e-6)
 
 
+class _Losses(nn.Module):
+    """Element-wise losses and hand-written reductions, as users write their losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.smooth = nn.SmoothL1Loss(beta=0.5)
+
+    def forward(self, x, y):
+        z = self.fc(x)
+        return (((z - y) ** 2).mean() + F.mse_loss(z, y, reduction="sum") + self.smooth(z, y)
+                + F.binary_cross_entropy_with_logits(z, torch.sigmoid(y)) + (z - y).abs().sum(dim=1).mean()
+                + z.sum(1, keepdim=True).mean(0).sum() + F.huber_loss(z, y, delta=2.0) + z.amax())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_losses_and_reductions_split_into_partial_sums(seed):
+    """Element-wise losses and sums/means split along what they reduce (the samples
+    too): the partitions' partial sums add up to the module's loss."""
+    m = _Losses()
+    x, y = torch.randn(9, 6), torch.randn(9, 4)
+    g = ff.trace(m, (x, y))
+    kinds = {op.name: op.rule for op in g.compute_ops}
+    assert "pointwise_loss" in kinds.values() and "opaque" not in kinds.values()
+    mean = next(op for op in g.compute_ops if op.kind == "mean" and not op.attrs["axis_map"])
+    assert mean.parallel_dims.get("n") == "sample"  # ((z - y) ** 2).mean() splits with the samples
+    assert not next(op for op in g.compute_ops if op.kind == "amax").dims  # a max is no sum of parts
+    s = Strategy.random(g, P100_4, seed)
+    assert any(s[op.name].num_partitions > 1 for op in g.compute_ops if op.rule in ("reduce", "pointwise_loss"))
+    torch.testing.assert_close(run_graph(g, m, (x, y), s), m(x, y), rtol=1e-5, atol=1e-5)
+
+
 def test_spatial_and_parameter_splits_are_exact():
     m, inputs = _uneven()
     g = ff.trace(m, inputs)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, call_template, out_region, region_shape, register, sample_dims
+from .base import Block, Rule, batch_dim, call_template, out_region, region_shape, register, sample_dims
 
 __all__ = ["broadcast_region"]
 
@@ -76,11 +76,35 @@ class Rowwise(Rule):
 @register("reduce")
 class Reduce(Rule):
     """sum / mean / amax over some axes: ``attrs['axis_map']`` gives, for each
-    output axis, the input axis it indexes (None for a kept size-1 axis)."""
+    output axis, the input axis it indexes (None for a kept size-1 axis).
+    The kept axes split as the output's; a sum or mean (``attrs['reduced']``
+    set) also splits along the axes it reduces, the batch axis being the sample
+    dim: those partitions hold partial sums (a mean's divided by the whole
+    count), which add up to the result -- ``((y - t) ** 2).mean()`` is then
+    computed where its samples are."""
 
     def dims(self, op: Op, batch):
         amap = op.attrs["axis_map"]
-        return [d for d in sample_dims(op.output_shape, batch) if amap[d.axis] is not None]
+        dims = [d for d in sample_dims(op.output_shape, batch) if amap[d.axis] is not None]
+        taken = {d.name for d in dims}
+        for ia in op.attrs.get("reduced", ()):
+            size = op.input_shapes[0][ia]
+            if size <= 1:
+                continue
+            d = batch_dim(None, size, batch) if ia == 0 else None
+            if d is None or d.name in taken:
+                d = Dim(f"k{ia}", "attribute", None, size)  # ("r" is the replicas' dim)
+            dims.append(d)
+        return dims
+
+    @staticmethod
+    def _reduced_ranges(op: Op, block: Block) -> dict:
+        """input axis -> [start, stop) of this block along the reduced axes it splits."""
+        out = {}
+        for d in op.dims:
+            if d.axis is None and d.name in block:
+                out[0 if d.name in ("n", "d0") else int(d.name[1:])] = block[d.name]
+        return out
 
     def regions(self, op: Op, block: Block):
         out = out_region(op, block)
@@ -89,8 +113,29 @@ class Reduce(Rule):
         for oa, ia in enumerate(op.attrs["axis_map"]):
             if ia is not None:
                 region[ia] = out[oa]
+        for ia, (a, b) in self._reduced_ranges(op, block).items():
+            region[ia] = slice(a, b)
         ins = [tuple(region)] + [tuple(slice(0, s) for s in sh) for sh in op.input_shapes[1:]]
         return ins, {}
+
+    def _partial(self, op, block):
+        """The partition's function when it splits a reduced axis (a partial sum), else None."""
+        split = self._reduced_ranges(op, block)
+        if not any(b - a < op.input_shapes[0][ia] for ia, (a, b) in split.items()):
+            return None  # the reduced axes whole: as the module computes it
+        axes = tuple(op.attrs["reduced"])
+        keep = bool(op.attrs.get("keepdim"))
+        if op.kind == "mean":
+            count = math.prod(op.input_shapes[0][ia] for ia in axes)
+            return lambda inputs, params: torch.sum(inputs[0], dim=axes, keepdim=keep) / count
+        return lambda inputs, params: torch.sum(inputs[0], dim=axes, keepdim=keep)
+
+    def compute(self, op, block, inputs, params):
+        fn = self._partial(op, block)
+        return fn(inputs, params) if fn is not None else call_template(op, inputs, params)
+
+    def bind(self, op, block):
+        return self._partial(op, block) or super().bind(op, block)
 
     def flops(self, op, block):
         return float(math.prod(op.input_shapes[0]))
