@@ -17,11 +17,15 @@ import torch
 __all__ = ["Dim", "Op", "OpGraph", "InputRef", "ParamRef", "dtype_bytes"]
 
 
+_DTYPE_BYTES: dict = {torch.bool: 1}
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    if dtype == torch.bool:
-        return 1
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (the simulator asks tens of times per proposal)."""
+    n = _DTYPE_BYTES.get(dtype)
+    if n is None:
+        n = _DTYPE_BYTES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
 
 
 @dataclass(frozen=True)
