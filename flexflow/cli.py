@@ -153,9 +153,6 @@ def _calibration_text(res: dict) -> str:
              f"  sync skew: {res['sync_skew']:.2f} of the compute before a synchronisation"]
     if res.get("output_sync_s") is not None:
         lines.append(f"  returning the loss to every rank: {us(res['output_sync_s'])} a step")
-    if res.get("message_hold_s") is not None:
-        lines.append(f"  of a message's latency, {us(res['message_hold_s'])} keeps both ends' cores busy "
-                     f"(the rest overlaps their compute)")
     micro = res.get("micro")
     if micro:
         lines.append(f"  (fitted to the executor's steps; the micro-benchmarks said a message "

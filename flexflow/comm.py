@@ -312,11 +312,10 @@ def cpu_machine_from_figures(figures: dict, devices: int | None = None):
     if figures.get("allreduce_bandwidth_Bps") and figures.get("allreduce_latency_s") is not None:
         ar = {"allreduce_bandwidth_Bps": float(figures["allreduce_bandwidth_Bps"]),
               "allreduce_latency_s": float(figures["allreduce_latency_s"])}
-    out_sync, hold = figures.get("output_sync_s"), figures.get("message_hold_s")
+    out_sync = figures.get("output_sync_s")
     spec = dataclasses.replace(spec, comm_on_cores=on_cores,
                                sync_skew=float(figures.get("sync_skew") or 0.0) if on_cores else 0.0,
-                               output_sync_s=float(out_sync) if on_cores and out_sync is not None else None,
-                               message_hold_s=float(hold) if on_cores and hold is not None else None)
+                               output_sync_s=float(out_sync) if on_cores and out_sync is not None else None)
     link = LinkSpec(float(figures["bandwidth_Bps"]), latency, "loopback", **ar)
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
     if devices is not None:

@@ -54,7 +54,6 @@ MESSAGES = ("alternate",)  # the strategies the message latency and bandwidth ar
 _LAT_RANGE = (5e-6, 5e-3)
 _BW_RANGE = (1e7, 1e11)
 _AR_RANGE = (0.0, 5e-3)
-_HOLD_MIN = 1e-3  # of the latency: the least part of a message that holds both ends' cores
 # the skew is capped: over a dozen calibrations it came out 0-0.13, and 0.36 and 0.5 twice,
 # from data-parallel chains whose medians moved by up to 70% between calibrations; a skew
 # that high overcharged long steps (wide_mlp's searched strategy predicted 44% slow)
@@ -148,10 +147,10 @@ def timed_rounds(runs: dict, inputs, rounds: int, steps: int, warmup: int) -> di
 
 
 def _machine(base, latency_s: float, ar_latency_s: float, skew: float, bandwidth_Bps: float | None = None,
-             output_sync_s: float | None = None, hold_s: float | None = None):
+             output_sync_s: float | None = None):
     link = dataclasses.replace(base.intra_node, latency_s=latency_s, allreduce_latency_s=ar_latency_s,
                                bandwidth_Bps=bandwidth_Bps or base.intra_node.bandwidth_Bps)
-    spec = dataclasses.replace(base.spec, sync_skew=skew, output_sync_s=output_sync_s, message_hold_s=hold_s)
+    spec = dataclasses.replace(base.spec, sync_skew=skew, output_sync_s=output_sync_s)
     return dataclasses.replace(base, intra_node=link, spec=spec)
 
 
@@ -201,8 +200,8 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
 
     cost = CostModel.for_machine(base)  # op times: the same for every figure tried below
 
-    def predict(lat, ar, skew, labels, bw=None, cases=None, out=None, hold=None):
-        m = _machine(base, lat, ar, skew, bw, out, hold)
+    def predict(lat, ar, skew, labels, bw=None, cases=None, out=None):
+        m = _machine(base, lat, ar, skew, bw, out)
         out = {}
         for case, graph in graphs.items():
             if cases is not None and case not in cases:
@@ -214,19 +213,14 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
         return out
 
     def log_err(case, **kw):  # the message-bound chains of one case: sum of log(predicted / measured)
-        p = predict(kw.get("lat", lat), ar, skew, MESSAGES, kw.get("bw", bw), {case}, out, hold)
+        p = predict(kw.get("lat", lat), ar, skew, MESSAGES, kw.get("bw", bw), {case}, out)
         return sum(math.log(p[(case, k)] / measured[case][k]) for k in MESSAGES)
-
-    def split_err(h):  # the chains whose messages go both ways between busy ranks
-        p = predict(lat, ar, skew, {"split"}, bw, None, out, h)
-        return sum(math.log(p[(c, "split")] / measured[c]["split"]) for c in graphs)
 
     small, large = (f"{w}x{b}" for w, b in CASES)
     lat, bw = base.intra_node.latency_s, base.intra_node.bandwidth_Bps
     ar = base.intra_node.allreduce_latency_s or 0.0
     skew = base.spec.sync_skew
     out = base.allreduce_latency_s(range(base.num_devices))  # the outputs' all-reduce, as uncalibrated
-    hold = None  # the whole latency holds both ends, until the split chains say how much
     for _ in range(3):
         # messages: the latency from the small chain's messages (8 KB), the bandwidth from
         # the large one's (512 KB); each moves its own case most, so a few rounds settle
@@ -236,30 +230,24 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
             bw = _bisect(lambda x: -log_err(large, bw=x), *_BW_RANGE)
             if abs(lat / lat0 - 1) < 1e-3 and abs(bw / bw0 - 1) < 1e-3:
                 break
-        # how much of a message's latency holds both ends' cores: messages both ways between
-        # busy ranks (the split chains) queue on each other for that part only; the
-        # alternating chains' messages, between a sender and an idle reader, hardly depend on it
-        hold = _bisect(split_err, lat * _HOLD_MIN, lat)
-        if hold >= lat:  # even the whole latency held predicts them fast: one task, as before
-            hold = None
         # returning the loss to every rank: adds after the task graph; the small single-device
         # chain has nothing else to synchronise and little compute to mispredict (the large
         # one's residual is mostly compute: ops run slower in a step than profiled alone)
-        p0 = predict(lat, ar, skew, {"single"}, bw, {small}, out=0.0, hold=hold)
+        p0 = predict(lat, ar, skew, {"single"}, bw, {small}, out=0.0)
         out = min(max(measured[small]["single"] - p0[(small, "single")], _AR_RANGE[0]), _AR_RANGE[1])
         # all-reduce latency and skew: linear in both (after the task graph)
-        p0 = predict(lat, 0.0, 0.0, {"data_parallel"}, bw, out=out, hold=hold)
-        pa = predict(lat, 1e-3, 0.0, {"data_parallel"}, bw, out=out, hold=hold)
-        ps = predict(lat, 0.0, 0.1, {"data_parallel"}, bw, out=out, hold=hold)
+        p0 = predict(lat, 0.0, 0.0, {"data_parallel"}, bw, out=out)
+        pa = predict(lat, 1e-3, 0.0, {"data_parallel"}, bw, out=out)
+        ps = predict(lat, 0.0, 0.1, {"data_parallel"}, bw, out=out)
         rows, rhs = [], []
         for w in graphs:
             k = (w, "data_parallel")
             rows.append(((pa[k] - p0[k]) / 1e-3, (ps[k] - p0[k]) / 0.1))
             rhs.append(measured[w]["data_parallel"] - p0[k])
         ar, skew = _solve2(rows, rhs)
-    pred = predict(lat, ar, skew, {"single", "alternate", "split", "data_parallel"}, bw, out=out, hold=hold)
+    pred = predict(lat, ar, skew, {"single", "alternate", "split", "data_parallel"}, bw, out=out)
     return {"exchange_s": lat, "bandwidth_Bps": bw, "allreduce_latency_s": ar, "sync_skew": skew,
-            "output_sync_s": out, "message_hold_s": hold,
+            "output_sync_s": out,
             "fit": {"measured_ms": {f"{lbl}@{w}": round(measured[w][lbl] * 1e3, 4) for w in graphs for lbl in measured[w]},
                     "predicted_ms": {f"{lbl}@{w}": round(pred[(w, lbl)] * 1e3, 4) for (w, lbl) in pred},
                     "error": {f"{lbl}@{w}": round(pred[(w, lbl)] / measured[w][lbl] - 1, 4) for (w, lbl) in pred}}}

@@ -48,11 +48,6 @@ class DeviceSpec:
     # after the forward and waited at the first read, so much of it hides behind the
     # backward); None: one all-reduce latency among all devices
     output_sync_s: float | None = None
-    # Where communication runs on the computing cores: the part of a message's latency that
-    # keeps the cores at both ends busy (waking the peer's thread, copying); the rest of the
-    # latency runs on the link alone, so messages in flight overlap it with compute, and
-    # messages between busy peers pay it in full (calibrated; None: the whole latency holds)
-    message_hold_s: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -147,7 +142,7 @@ def cpu_machine_file() -> Path:
 
 
 def _spec_dict(spec: DeviceSpec) -> dict:
-    """A device spec as JSON; ``comm_on_cores``, ``sync_skew``, ``output_sync_s`` and ``message_hold_s`` only when set (descriptions
+    """A device spec as JSON; ``comm_on_cores``, ``sync_skew`` and ``output_sync_s`` only when set (descriptions
     without them, and their fingerprints, stay as they were)."""
     d = dataclasses.asdict(spec)
     if not d["comm_on_cores"]:
@@ -156,8 +151,6 @@ def _spec_dict(spec: DeviceSpec) -> dict:
         del d["sync_skew"]
     if d["output_sync_s"] is None:
         del d["output_sync_s"]
-    if d["message_hold_s"] is None:
-        del d["message_hold_s"]
     return d
 
 
@@ -209,9 +202,8 @@ _CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_B
 # the cost of returning the outputs) are
 # fitted to the executor's steps (flexflow.hostfit); older files are measured again.
 # version 4: the calibration chain's loss (an MSE) splits with the samples, so its data-parallel
-# steps exchange nothing and return the loss on the gradients' all-reduce, as the executor now does.
-# version 5: the part of a message's latency that holds both ends' cores (message_hold_s) is fitted
-CALIBRATION_VERSION = 5
+# steps exchange nothing and return the loss on the gradients' all-reduce, as the executor now does
+CALIBRATION_VERSION = 4
 
 
 def _calibration_current(path: Path) -> bool:
@@ -432,8 +424,7 @@ class Machine:
                     {"num_devices", "inter_node", "comment", "measured"})
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
-                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s",
-                     "message_hold_s"})
+                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -452,9 +443,7 @@ class Machine:
                           _bool(dev, "comm_on_cores", "device."),
                           _num(dev, "sync_skew", "device.", zero_ok=True, default=0.0),
                           None if dev.get("output_sync_s") is None
-                          else _num(dev, "output_sync_s", "device.", zero_ok=True),
-                          None if dev.get("message_hold_s") is None
-                          else _num(dev, "message_hold_s", "device.", zero_ok=True))
+                          else _num(dev, "output_sync_s", "device.", zero_ok=True))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
@@ -516,8 +505,6 @@ class Machine:
                          f"(the ranks' speeds jitter)")
         if s.output_sync_s is not None:
             lines.append(f"  returning the outputs to every rank adds {s.output_sync_s * 1e6:g} us to a step")
-        if s.message_hold_s is not None and s.comm_on_cores:
-            lines.append(f"  a message keeps both ends' cores busy {s.message_hold_s * 1e6:g} us of its latency")
         return "\n".join(lines)
 
 

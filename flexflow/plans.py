@@ -47,7 +47,7 @@ class _Tmpl:
 class _EdgePlan:
     """Producer u -> consumer o input j under a config pair: same-device pairs (direct), the
     transfers as task columns (fcols / bcols, producer and consumer partitions xq, xk), bytes received per device, busy row."""
-    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xq", "xk", "fcols", "bcols", "flag", "blag")
+    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xq", "xk", "fcols", "bcols")
 
 
 class _ClusterPlan:
@@ -69,10 +69,6 @@ class Context:
         self.optimizer, self.sync = optimizer, sync
         self.optimizer_copies = optimizer_state_copies(optimizer)
         self.comm_on_cores = bool(machine.spec.comm_on_cores)
-        # a message's latency split: the part that holds both ends' cores, the rest on the link
-        # alone (a second task, after the first); None: one task holds everything throughout
-        hold = machine.spec.message_hold_s
-        self.hold_s = float(hold) if self.comm_on_cores and hold is not None else None
         ops = self.ops = graph.ops
         n = len(ops)
         if n >= 1 << _AB:
@@ -148,7 +144,6 @@ class Context:
         self._route: dict = {}
         self._xfer: dict = {}
         self._xtab = None  # (see _transfer_tables)
-        self._ltab = None  # (see _link_tables)
         self.live = Liveness(self, optimizer)  # memory by liveness (memory.py)
 
     # ---- cached plans ---------------------------------------------------------------------
@@ -286,13 +281,8 @@ class Context:
         e.recv, e.busy, e.comm, e.identity, e.direct = g.recv, g.busy, g.comm, g.identity, g.direct
         e.xq, e.xk = g.xq, g.xk
         low = g.fcols[3]
-        fprio = ((((o << 3 | XF) << _JB | j) << 2 * _PB) + low).tolist()
-        bprio = (((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low).tolist()
-        e.fcols = g.fcols[:3] + (fprio,)
-        e.bcols = g.bcols[:3] + (bprio,)
-        e.flag = e.blag = None
-        if g.flag is not None:  # the link-only rest of each message's latency (same priorities)
-            e.flag, e.blag = g.flag + (fprio,), g.blag + (bprio,)
+        e.fcols = g.fcols[:3] + (((((o << 3 | XF) << _JB | j) << 2 * _PB) + low).tolist(),)
+        e.bcols = g.bcols[:3] + ((((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low).tolist(),)
         self._edge[key] = e
         return e
 
@@ -329,8 +319,7 @@ class Context:
         e.busy = np.zeros(self.R, np.int64)
         same = ~cross
         n_same = int(same.sum())
-        e.direct = list(zip(Q[same].tolist(), K[same].tolist(), [-1] * n_same, [-1] * n_same,
-                            [-1] * n_same, [-1] * n_same))
+        e.direct = list(zip(Q[same].tolist(), K[same].tolist(), [-1] * n_same, [-1] * n_same))
         e.identity = (len(pu) == len(po) and len(Q) == len(po) and n_same == len(Q)
                       and bool((Q == np.arange(len(Q))).all() and (K == Q).all()))
         Qx, Kx, NBx, Ax, Bx = Q[cross], K[cross], NB[cross], A[cross], Bd[cross]
@@ -340,61 +329,16 @@ class Context:
         _, _, r1, rm, pad = self._transfer_tables()
         fd = self._transfer_ps_array(Ax, Bx, NBx)
         bd = self._transfer_ps_array(Bx, Ax, NBx)
-        e.flag = e.blag = None
-        if self.hold_s is not None:  # split: the ends' cores for the hold, then the link alone
-            fd, fl = self._held_ps_arrays(Ax, Bx, NBx)
-            bd, bl = self._held_ps_arrays(Bx, Ax, NBx)
-            lr1, lrm, lpad = self._link_tables()
-            for src, dst, dur in ((Ax, Bx, fl), (Bx, Ax, bl)):
-                self._add_busy(e.busy, lpad[src, dst], dur)
         for src, dst, dur in ((Ax, Bx, fd), (Bx, Ax, bd)):
-            self._add_busy(e.busy, pad[src, dst], dur)
+            res = pad[src, dst]
+            for c in range(res.shape[1]):
+                col = res[:, c]
+                used = col >= 0
+                np.add.at(e.busy, col[used], dur[used])
         low = (Kx << _PB) | Qx
         e.fcols = (fd.tolist(), r1[Ax, Bx].tolist(), rm[Ax, Bx].tolist(), low)
         e.bcols = (bd.tolist(), r1[Bx, Ax].tolist(), rm[Bx, Ax].tolist(), low)
-        if self.hold_s is not None:
-            e.flag = (fl.tolist(), lr1[Ax, Bx].tolist(), lrm[Ax, Bx].tolist())
-            e.blag = (bl.tolist(), lr1[Bx, Ax].tolist(), lrm[Bx, Ax].tolist())
         return e
-
-    @staticmethod
-    def _add_busy(busy, res, dur) -> None:
-        for c in range(res.shape[1]):
-            col = res[:, c]
-            used = col >= 0
-            np.add.at(busy, col[used], dur[used])
-
-    def _held_ps_arrays(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray):
-        """The two parts of each message where the hold is calibrated (``hold_s``): the
-        first holds both ends' cores and the link (the hold, at most the latency, and the
-        bytes), the second the link alone (the rest of the latency); each at least 1 ps."""
-        lat, bw = self._transfer_tables()[:2]
-        lat = lat[a, b]
-        hold = np.minimum(lat, self.hold_s)
-        first = np.maximum(1, np.rint((hold + nbytes / bw[a, b]) * PS)).astype(np.int64)
-        rest = np.maximum(1, np.rint((lat - hold) * PS)).astype(np.int64)
-        return first, rest
-
-    def _link_tables(self):
-        """Per (src, dst): the route's links alone, as ``_transfer_tables`` gives the route
-        (single resource or -1, resource tuple or None, resources padded with -1)."""
-        if self._ltab is None:
-            D = self.D
-            r1 = np.full((D, D), -1, np.int64)
-            rm = np.empty((D, D), object)
-            routes = {}
-            for a in range(D):
-                for b in range(D):
-                    if a != b:
-                        links = tuple(D + l for l in self.machine.route(a, b))
-                        r1[a, b], rm[a, b] = routes[a, b] = (links[0], None) if len(links) == 1 else (-1, links)
-            width = max((len(x[1] or (x[0],)) for x in routes.values()), default=1)
-            pad = np.full((D, D, width), -1, np.int64)
-            for (a, b), (x1, xm) in routes.items():
-                res = xm or (x1,)
-                pad[a, b, :len(res)] = res
-            self._ltab = (r1, rm, pad)
-        return self._ltab
 
     def _out_boxes(self, u: int, cu):
         """Producer side of ``_edge_geometry``, per (kind, config): the partitions, their

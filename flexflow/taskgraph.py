@@ -83,9 +83,7 @@ class TaskGraph(_Patching):
         self.tmpl = [None] * n
         self.FT = [None] * n       # op -> fwd task per partition (shared by a unit's members)
         self.BT = [None] * n
-        # o -> per input j: [(q, k, xf, xb, xf0, xb0)] for unit-external edges, else None: xf / xb
-        # the transfer its reader waits for, xf0 / xb0 its first part when messages are split (or -1)
-        self.EDGES = [None] * n
+        self.EDGES = [None] * n    # o -> per input j: [(q, k, xf, xb)] for unit-external edges, else None
         self.EPLAN = [None] * n
         self.SYNCT = [None] * nc   # cluster -> sync task per plan entry
         self.CPLAN = [None] * nc
@@ -208,19 +206,9 @@ class TaskGraph(_Patching):
             xf = self._alloc(*plan.fcols)
             xb = self._alloc(*plan.bcols)
             PRED = self.PRED
-            if plan.flag is None:
-                for q, k, f, b in zip(plan.xq, plan.xk, xf, xb):
-                    PRED[f], PRED[b] = (uF[q],), (oB[k],)
-                    rec.append((q, k, f, b, -1, -1))
-            else:  # each message in two tasks: the held part, then the link-only rest its reader waits for
-                lf = self._alloc(*plan.flag)
-                lb = self._alloc(*plan.blag)
-                for q, k, f, b, f2, b2 in zip(plan.xq, plan.xk, xf, xb, lf, lb):
-                    PRED[f], PRED[b], PRED[f2], PRED[b2] = (uF[q],), (oB[k],), (f,), (b,)
-                    rec.append((q, k, f2, b2, f, b))
-                if link:
-                    self._repred.update(lf)
-                    self._repred.update(lb)
+            for q, k, f, b in zip(plan.xq, plan.xk, xf, xb):
+                PRED[f], PRED[b] = (uF[q],), (oB[k],)
+                rec.append((q, k, f, b))
             if link:  # (new tasks: their predecessors changed from none)
                 self._repred.update(xf)
                 self._repred.update(xb)
@@ -279,7 +267,7 @@ class TaskGraph(_Patching):
                 if rec is None:
                     continue
                 uF = self.FT[ctx.inputs[o][j]]
-                for q, k, xf, *_ in rec:
+                for q, k, xf, _ in rec:
                     preds[k].append(xf if xf >= 0 else uF[q])
         return preds
 
@@ -292,7 +280,7 @@ class TaskGraph(_Patching):
                 if rec is None:
                     continue
                 vB = BT[v]
-                for q, k, _, xb, *_ in rec:
+                for q, k, _, xb in rec:
                     preds[q].append(xb if xb >= 0 else vB[k])
         for p, f in zip(preds, self.FT[h]):
             if not p:  # nothing flows back into it: it follows its own forward

@@ -142,13 +142,10 @@ class _Patching:
         for o, j in edges:
             rec = self.EDGES[o][j]
             if rec:
-                for _, _, xf, xb, xf0, xb0 in rec:
+                for _, _, xf, xb in rec:
                     if xf >= 0:
                         kill.append(xf)
                         kill.append(xb)
-                    if xf0 >= 0:
-                        kill.append(xf0)
-                        kill.append(xb0)
         for h in old_units:
             if h not in kept:
                 kill += self.FT[h]

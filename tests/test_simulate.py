@@ -570,27 +570,3 @@ def test_ready_queue_dequeues_in_ready_priority_id_order():
         a.run_delta([], [t], [])
         log, fin = reference(tg, R)
         assert a.log().tolist() == log and a.FIN.tolist() == fin
-
-
-def test_a_message_holds_its_ends_only_for_the_calibrated_part(lenet, nmt_small):
-    """With ``message_hold_s`` a message is two tasks: the first holds both ends' devices
-    and the link for the hold (and the bytes), the second the link alone for the rest of
-    the latency.  Devices are then busy for the hold only; a pipelined strategy, whose
-    messages overlap compute, gets faster as the hold shrinks, and a hold as long as the
-    latency predicts what one task does.  Delta and full simulation stay equal."""
-    import dataclasses
-    on, _ = _on_cores(4)
-
-    def held(h):
-        return dataclasses.replace(on, spec=dataclasses.replace(on.spec, message_hold_s=h))
-    assert Machine.from_json(held(50e-6).to_json()) == held(50e-6) and held(50e-6).fingerprint() != on.fingerprint()
-    mp = Strategy(nmt_small, dict(Strategy.model_parallel(nmt_small, on).items()))  # for any of the machines
-    t = {h: Simulator(nmt_small, on if h is None else held(h)).simulate(mp).iteration_time
-         for h in (None, 200e-6, 100e-6, 20e-6)}
-    assert t[200e-6] == pytest.approx(t[None], rel=1e-6)  # hold = the whole intra-node latency
-    assert t[None] > t[100e-6] > t[20e-6]
-    s = Strategy(lenet, dict(Strategy.random(lenet, on, 7).items()))
-    full, split = Simulator(lenet, on).simulate(s), Simulator(lenet, held(50e-6)).simulate(s)
-    assert sum(split.device_busy[:4]) < sum(full.device_busy[:4])
-    _walk(lenet, held(50e-6), 100, seed=21, validate_every=10)
-    _walk_within(nmt_small, held(80e-6), 60, seed=22)
