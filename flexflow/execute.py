@@ -999,9 +999,12 @@ class _OutputFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt: Runtime, out: _Output, token, x):
         ctx.rt, ctx.out = rt, out
-        full = torch.zeros(out.shape, dtype=_wire_dtype(out.dtype), device=rt.device)
-        if out.region is not None:
-            full[out.region] += _wire(x)
+        if out.region is not None and _is_full(out.region, out.shape) and tuple(x.shape) == out.shape:
+            full = _wire(x).clone()  # this rank holds all of it (or a partial sum of all of it)
+        else:
+            full = torch.zeros(out.shape, dtype=_wire_dtype(out.dtype), device=rt.device)
+            if out.region is not None:
+                full[out.region] += _wire(x)
         if rt.distributed and rt.world > 1:
             if rt._riding:  # all-reduced with the gradients (the ride bucket)
                 out.work = job = _Rider(out.name, full)
