@@ -39,7 +39,6 @@ CASES = [("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
 
 
 def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
     module, inputs = ff.models.get(name, batch_size=batch, size="small")
@@ -50,9 +49,18 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
             "flexflow": (parallelize(module, example_inputs=inputs, strategy=strategy), inputs),
             "flexflow_eager": (parallelize(module, example_inputs=inputs, strategy=strategy,
                                            reduce_outputs="eager"), inputs)}
+    return alternating_blocks(runs, blocks, steps)
+
+
+def alternating_blocks(runs: dict, blocks: int, steps: int) -> dict:
+    """In every rank of a running group: label -> seconds of each step of ``runs`` (label ->
+    (model, its inputs)), SGD, in blocks of ``steps`` steps that alternate between the
+    models between barriers; a first block warms up.  Each step: zero_grad, forward,
+    backward, SGD step, loss.item()."""
+    import torch.distributed as dist
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, (m, _) in runs.items()}
     times = {k: [] for k in runs}
-    for block in range(blocks + 1):  # the first block warms up
+    for block in range(blocks + 1):
         for k, (model, inp) in runs.items():
             dist.barrier()
             for _ in range(steps):

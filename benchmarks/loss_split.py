@@ -16,7 +16,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,9 @@ from flexflow.api import launch, parallelize  # noqa: E402
 from flexflow.machine import Machine  # noqa: E402
 from flexflow.strategy import ParallelConfig, Strategy  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_steps import alternating_blocks  # noqa: E402
+
 
 class Regression(nn.Module):
     def __init__(self, features: int = 64, hidden: int = 256, out: int = 32):
@@ -42,7 +44,6 @@ class Regression(nn.Module):
 
 
 def _worker(rank: int, batch: int, blocks: int, steps: int) -> dict:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -61,20 +62,7 @@ def _worker(rank: int, batch: int, blocks: int, steps: int) -> dict:
             "flexflow_mean_on_rank0": (parallelize(module, example_inputs=(x, y),
                                                    strategy=Strategy(graph, whole, machine, name="mean_on_rank0")),
                                        (x, y))}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, (m, _) in runs.items()}
-    times = {k: [] for k in runs}
-    for block in range(blocks + 1):
-        for k, (model, inp) in runs.items():
-            dist.barrier()
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                opts[k].zero_grad()
-                loss = model(*inp)
-                loss.backward()
-                opts[k].step()
-                loss.item()
-                if block:
-                    times[k].append(time.perf_counter() - t0)
+    times = alternating_blocks(runs, blocks, steps)
     exchanges = {k: runs[k][0].runtime.num_exchanges for k in runs if k != "ddp"}
     return {"median_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()}, "exchanges": exchanges}
 

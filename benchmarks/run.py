@@ -28,6 +28,8 @@ BENCHMARKS = {
     "sim_accuracy": ("benchmarks/sim_accuracy.py", [], ["--quick"]),
     "executor_overhead": ("benchmarks/executor_overhead.py", [], ["--quick"]),
     "real_speedup": ("benchmarks/real_speedup.py", [], ["--quick"]),
+    "dp_steps": ("benchmarks/dp_steps.py", [], ["--quick"]),
+    "loss_split": ("benchmarks/loss_split.py", [], ["--blocks", "2", "--steps", "5"]),
     "soak": ("benchmarks/soak.py", ["--runs", "100"], ["--runs", "8"]),
     "search_quality": ("benchmarks/search_quality.py", [], ["--quick"]),
     "inception_case_study": ("examples/inception_case_study.py",
