@@ -113,7 +113,8 @@ class RecurrentNet(nn.Module):
 
 class Regressor(nn.Module):
     """A regression head trained on element-wise losses as users write them: the
-    functional and the module forms, each reduction, and keywords (beta, delta)."""
+    functional and the module forms, each reduction (kl_div's batchmean too), and
+    keywords (beta, delta)."""
 
     def __init__(self, feat: int = 6, hid: int = 8, out: int = 4):
         super().__init__()
@@ -127,7 +128,8 @@ class Regressor(nn.Module):
         z = self.fc2(torch.tanh(self.fc1(x)))
         return (F.mse_loss(z, y) + self.smooth(z, y) + 0.1 * self.bce(z, torch.sigmoid(y))
                 + F.huber_loss(z, y, delta=2.0) + F.l1_loss(z, y, reduction="none").mean()
-                + (z - y).abs().sum(dim=1).mean() + 0.1 * z.sum(1, keepdim=True).mean(0).sum())
+                + (z - y).abs().sum(dim=1).mean() + 0.1 * z.sum(1, keepdim=True).mean(0).sum()
+                + F.kl_div(F.log_softmax(z, -1), F.softmax(y, -1), reduction="batchmean"))
 
     def input_specs(self, batch: int):
         return [InputSpec((batch, self.feat), "float"), InputSpec((batch, self.out), "float")]

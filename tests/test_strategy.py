@@ -88,12 +88,15 @@ class _Losses(nn.Module):
         super().__init__()
         self.fc = nn.Linear(6, 4)
         self.smooth = nn.SmoothL1Loss(beta=0.5)
+        self.kl = nn.KLDivLoss(reduction="sum", log_target=True)
 
     def forward(self, x, y):
         z = self.fc(x)
         return (((z - y) ** 2).mean() + F.mse_loss(z, y, reduction="sum") + self.smooth(z, y)
                 + F.binary_cross_entropy_with_logits(z, torch.sigmoid(y)) + (z - y).abs().sum(dim=1).mean()
-                + z.sum(1, keepdim=True).mean(0).sum() + F.huber_loss(z, y, delta=2.0) + z.amax())
+                + z.sum(1, keepdim=True).mean(0).sum() + F.huber_loss(z, y, delta=2.0) + z.amax()
+                + F.kl_div(F.log_softmax(z, -1), F.softmax(y, -1), reduction="batchmean")
+                + self.kl(F.log_softmax(z, -1), F.log_softmax(y, -1)))
 
 
 @pytest.mark.parametrize("seed", range(4))

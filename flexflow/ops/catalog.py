@@ -49,6 +49,7 @@ _MODULE_KINDS = {
     nn.NLLLoss: "nll_loss", nn.MSELoss: "mse_loss", nn.L1Loss: "l1_loss", nn.SmoothL1Loss: "smooth_l1_loss",
     nn.HuberLoss: "huber_loss", nn.BCELoss: "binary_cross_entropy",
     nn.BCEWithLogitsLoss: "binary_cross_entropy_with_logits", nn.SoftMarginLoss: "soft_margin_loss",
+    nn.KLDivLoss: "kl_div",
     nn.Flatten: "flatten", nn.ReLU: "relu", nn.ReLU6: "relu6",
     nn.GELU: "gelu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu", nn.ELU: "elu",
     nn.LeakyReLU: "leaky_relu", nn.Hardtanh: "hardtanh", nn.Dropout: "dropout",

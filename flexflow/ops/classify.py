@@ -181,25 +181,19 @@ def classify(b, name, module) -> Op:
         return b.make(name, "loss", attrs=attrs, **mk)
 
     if name in POINTWISE_LOSSES and not isinstance(b.node.target, torch._ops.OpOverload):
-        spec = {"mse_loss": (4, (("weight", 5),)), "l1_loss": (4, (("weight", 5),)),
-                "smooth_l1_loss": (4, ()), "soft_margin_loss": (4, ()),
-                "huber_loss": (2, (("weight", 4),)),
-                "binary_cross_entropy": (5, (("weight", 2),)),
-                "binary_cross_entropy_with_logits": (5, (("weight", 2), ("pos_weight", 6)))}[name]
-        floats = {"beta": 5, "delta": 3}
+        red_pos, must_be_none, keyword_pos = POINTWISE_LOSSES[name]
         if module is not None:
             red = module.reduction
-            plain = all(getattr(module, k, None) is None for k, _ in spec[1])
-            keywords = tuple((k, float(getattr(module, k))) for k in POINTWISE_LOSSES[name])
+            plain = all(getattr(module, k, None) is None for k in must_be_none if k not in ("size_average", "reduce"))
+            keywords = tuple((k, getattr(module, k)) for k in keyword_pos)
         else:
-            red = _get(av, kv, spec[0], "reduction", "mean")
-            plain = (all(_get(av, kv, i, k) is None for k, i in spec[1])
-                     and (name == "huber_loss" or (_get(av, kv, 2, "size_average") is None
-                                                   and _get(av, kv, 3, "reduce") is None)))
-            keywords = tuple((k, _get(av, kv, floats[k], k, 1.0)) for k in POINTWISE_LOSSES[name])
+            red = _get(av, kv, red_pos, "reduction", "mean")
+            plain = all(_get(av, kv, i, k) is None for k, i in must_be_none.items())
+            keywords = tuple((k, _get(av, kv, i, k, default)) for k, (i, default) in keyword_pos.items())
         shapes = [tuple(b.ops_by_name[i].output_shape) for i in x_in]
-        ok = (plain and len(x_in) == 2 and not b.params and red in ("mean", "sum", "none")
-              and shapes[0] == shapes[1] and all(isinstance(v, (int, float)) for _, v in keywords)
+        ok = (plain and len(x_in) == 2 and not b.params
+              and red in (("mean", "sum", "none", "batchmean") if name == "kl_div" else ("mean", "sum", "none"))
+              and shapes[0] == shapes[1] and all(isinstance(v, (int, float, bool)) for _, v in keywords)
               and all(b.ops_by_name[i].dtype.is_floating_point for i in x_in)
               and at[:2] == (InputRef(0), InputRef(1)))
         if not ok:

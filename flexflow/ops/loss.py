@@ -80,19 +80,30 @@ class Loss(Rule):
         return 1.0
 
 
-# element-wise losses of (input, target) of one shape: the functional, and its float keywords
-POINTWISE_LOSSES = {"mse_loss": (), "l1_loss": (), "smooth_l1_loss": ("beta",), "huber_loss": ("delta",),
-                    "binary_cross_entropy": (), "binary_cross_entropy_with_logits": (),
-                    "soft_margin_loss": ()}
+# element-wise losses of (input, target) of one shape, as their functionals take them:
+# name -> (position of ``reduction``, {argument that must be None: position},
+#          {keyword the rule passes on: (position, default)})
+_OLD = {"size_average": 2, "reduce": 3}  # the deprecated pair, after (input, target)
+POINTWISE_LOSSES = {
+    "mse_loss": (4, {**_OLD, "weight": 5}, {}),
+    "l1_loss": (4, {**_OLD, "weight": 5}, {}),
+    "smooth_l1_loss": (4, _OLD, {"beta": (5, 1.0)}),
+    "huber_loss": (2, {"weight": 4}, {"delta": (3, 1.0)}),
+    "soft_margin_loss": (4, _OLD, {}),
+    "kl_div": (4, _OLD, {"log_target": (5, False)}),
+    "binary_cross_entropy": (5, {"weight": 2, "size_average": 3, "reduce": 4}, {}),
+    "binary_cross_entropy_with_logits": (5, {"weight": 2, "size_average": 3, "reduce": 4, "pos_weight": 6}, {}),
+}
 
 
 @register("pointwise_loss")
 class PointwiseLoss(Rule):
     """A loss that is a sum (or mean) of one term per element of its input, such as
     ``mse_loss``: every axis of the input splits, the batch axis being the sample dim.
-    Reduced ('mean', 'sum'), every dim is a reduction dim and the partitions hold
-    partial sums, each already divided by the whole input's size for 'mean'; with
-    'none' the output is split like the input."""
+    Reduced ('mean', 'sum', kl_div's 'batchmean'), every dim is a reduction dim and
+    the partitions hold partial sums, each already divided by the whole input's size
+    for 'mean' (its batch for 'batchmean'); with 'none' the output is split like the
+    input."""
 
     def dims(self, op: Op, batch):
         reduced = op.attrs["reduction"] != "none"
@@ -125,7 +136,8 @@ class PointwiseLoss(Rule):
         whole = all(s.start == 0 and s.stop == n for s, n in zip(r, op.input_shapes[0]))
         if red == "none" or red == "sum" or whole:
             return lambda inputs, params: fn(inputs[0], inputs[1], reduction=red, **kw)
-        count = math.prod(op.input_shapes[0])
+        # 'batchmean' (kl_div) divides by the batch, 'mean' by every element
+        count = op.input_shapes[0][0] if red == "batchmean" else math.prod(op.input_shapes[0])
 
         def partial_mean(inputs, params):  # this block's share of the mean
             return fn(inputs[0], inputs[1], reduction="sum", **kw) / count
