@@ -126,6 +126,47 @@ def call_template(op: Op, inputs, params: dict, args=None, kwargs=None):
     return op.target(*a, **k)
 
 
+def bind_template(op: Op):
+    """``call_template`` for ``op`` as a function of (inputs, params), with the markers'
+    places found once: the executor calls it every step.  Its arguments must hold their
+    markers at the top level (else None: call ``call_template``)."""
+    def nested(v):
+        found = []
+        map_aggregate(v, lambda x: found.append(x) if isinstance(x, (InputRef, ParamRef)) else None)
+        return bool(found)
+    args, kwargs = tuple(op.args), dict(op.kwargs)
+    if any(isinstance(v, (list, tuple, dict)) and nested(v) for v in (*args, *kwargs.values())):
+        return None
+    arefs = [(i, v) for i, v in enumerate(args) if isinstance(v, (InputRef, ParamRef))]
+    krefs = [(n, v) for n, v in kwargs.items() if isinstance(v, (InputRef, ParamRef))]
+
+    def fill(inputs, params):
+        a = list(args)
+        for i, v in arefs:
+            a[i] = inputs[v.index] if isinstance(v, InputRef) else params[v.name]
+        k = kwargs
+        if krefs:
+            k = dict(kwargs)
+            for n, v in krefs:
+                k[n] = inputs[v.index] if isinstance(v, InputRef) else params[v.name]
+        return a, k
+    if op.call_kind == "call_method":
+        name = op.target
+
+        def call(inputs, params):
+            a, k = fill(inputs, params)
+            return getattr(a[0], name)(*a[1:], **k)
+        return call
+    if op.call_kind == "call_module" and (op.params or op.buffers):
+        return None  # functional_call swaps the module's own tensors: the general path
+    target = op.target
+
+    def call(inputs, params):
+        a, k = fill(inputs, params)
+        return target(*a, **k)
+    return call
+
+
 class Rule:
     """Base rule: an op that can only run whole on one device."""
 
@@ -148,6 +189,10 @@ class Rule:
         the executor calls it every step, so a rule may work out here, once,
         what ``compute`` would derive from ``op`` and ``block`` at every call."""
         compute = self.compute
+        if type(self).compute is Rule.compute:  # the op's own call: its template, bound once
+            fast = bind_template(op)
+            if fast is not None:
+                return fast
         return lambda inputs, params: compute(op, block, inputs, params)
 
     def flops(self, op: Op, block: Block) -> float:

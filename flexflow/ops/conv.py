@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, batch_dim, call_template, out_region, region_shape, register
+from .base import Block, Rule, batch_dim, bind_template, call_template, out_region, region_shape, register
 
 SPATIAL_NAMES = {1: ("l",), 2: ("h", "w"), 3: ("d", "h", "w")}
 
@@ -90,6 +90,17 @@ class Conv(Rule):
             ps["bias"] = (out[1],)
         return [x], ps
 
+    def bind(self, op, block):
+        out = out_region(op, block)
+        _, pads = _spatial_regions(op, out)
+        a = op.attrs
+        if not _native(pads, a):
+            return super().bind(op, block)
+        fn = F.conv1d if len(out) == 3 else F.conv2d
+        stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
+        return lambda inputs, params: fn(inputs[0], params["weight"], params.get("bias"), stride, padding,
+                                         dilation, groups)
+
     def compute(self, op, block, inputs, params):
         out = out_region(op, block)
         _, pads = _spatial_regions(op, out)
@@ -119,6 +130,22 @@ class Pool(Rule):
         out = out_region(op, block)
         sl, _ = _spatial_regions(op, out)
         return [(out[0], out[1], *sl)], {}
+
+    def bind(self, op, block):
+        a = op.attrs
+        if a.get("native"):
+            return bind_template(op) or super().bind(op, block)
+        out = out_region(op, block)
+        _, pads = _spatial_regions(op, out)
+        if not _native(pads, a) or a.get("divisor_override"):
+            return super().bind(op, block)
+        nsp = len(out) - 2
+        kernel, stride, padding = a["kernel"], a["stride"], a["padding"]
+        if a["mode"] == "max":
+            fn, dilation = (F.max_pool1d if nsp == 1 else F.max_pool2d), a["dilation"]
+            return lambda inputs, params: fn(inputs[0], kernel, stride, padding, dilation)
+        fn = F.avg_pool1d if nsp == 1 else F.avg_pool2d
+        return lambda inputs, params: fn(inputs[0], kernel, stride, padding)
 
     def compute(self, op, block, inputs, params):
         a = op.attrs

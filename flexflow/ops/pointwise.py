@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, batch_dim, call_template, out_region, region_shape, register, sample_dims
+from .base import (Block, Rule, batch_dim, bind_template, call_template, out_region, region_shape, register,
+                   sample_dims)
 
 __all__ = ["broadcast_region"]
 
@@ -38,6 +39,12 @@ class Pointwise(Rule):
         ps = {n: broadcast_region(out, op.output_shape, s) for n, s in op.param_shapes.items()}
         return [broadcast_region(out, op.output_shape, s) for s in op.input_shapes], ps
 
+    def bind(self, op, block):
+        if op.attrs.get("expand"):
+            shape = region_shape(out_region(op, block))
+            return lambda inputs, params: inputs[0].expand(shape)
+        return bind_template(op) or super().bind(op, block)
+
     def compute(self, op, block, inputs, params):
         if op.attrs.get("expand"):  # the literal sizes are the whole output's
             return inputs[0].expand(region_shape(out_region(op, block)))
@@ -61,6 +68,11 @@ class Rowwise(Rule):
         ins = [broadcast_region(out, op.output_shape, s) for s in op.input_shapes]
         ps = {n: tuple(slice(0, s) for s in shp) for n, shp in op.param_shapes.items()}
         return ins, ps
+
+    def bind(self, op, block):
+        if op.kind == "layer_norm" and op.call_kind == "call_module":
+            return super().bind(op, block)
+        return bind_template(op) or super().bind(op, block)
 
     def compute(self, op, block, inputs, params):
         if op.kind == "layer_norm" and op.call_kind == "call_module":
