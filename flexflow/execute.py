@@ -139,6 +139,10 @@ class _Output:
     partial: bool
     region: tuple | None  # this rank's block of the output
     work: object = None  # its all-reduce, between the forward and Runtime._run
+    whole: bool = field(init=False)  # the block is all of the output (or a partial sum of all of it)
+
+    def __post_init__(self):
+        self.whole = self.region is not None and _is_full(self.region, self.shape)
 
 
 REDUCE_OUTPUTS = ("eager", "with_gradients")
@@ -999,8 +1003,8 @@ class _OutputFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt: Runtime, out: _Output, token, x):
         ctx.rt, ctx.out = rt, out
-        if out.region is not None and _is_full(out.region, out.shape) and tuple(x.shape) == out.shape:
-            full = _wire(x).clone()  # this rank holds all of it (or a partial sum of all of it)
+        if out.whole:
+            full = _wire(x).clone()
         else:
             full = torch.zeros(out.shape, dtype=_wire_dtype(out.dtype), device=rt.device)
             if out.region is not None:
@@ -1106,13 +1110,12 @@ class _GradSync:
         try:
             works, self.works = self.works, []
             for work, flat, params, key, riders, ride, mine in works:
-                n_grads = sum(p.numel() for p in params)
                 if work is None:  # this rank's part was early: its gradients (mine) come in the repair
-                    self._repair(flat, n_grads, mine)
+                    self._repair(flat, mine.numel(), mine)
                 else:
                     self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
                     if ride and flat[-1].item() > 0:  # some rank took its part early
-                        self._repair(flat, n_grads, None)
+                        self._repair(flat, sum(p.numel() for p in params), None)
                 off = 0
                 for p in params:
                     n = p.numel()

@@ -77,6 +77,13 @@ def out_region(op: Op, block: Block) -> Region:
     return tuple(region)
 
 
+def reduced_axis(name: str) -> int:
+    """The input axis of a dim with no output axis (a reduction dim), from its name:
+    ``n``/``d0`` the batch axis, ``s`` axis 1, else the digits after its letter
+    (``e2``, ``k3``, ``s2``)."""
+    return 0 if name in ("n", "d0") else 1 if name == "s" else int(name[1:])
+
+
 def batch_dim(axis: int | None, size: int, batch: int | None) -> Dim:
     """The dim along a tensor's batch position: the sample dim ``n`` when its
     size is the batch, else an attribute dim ``d0``."""

@@ -259,12 +259,11 @@ def classify(b, name, module) -> Op:
         return _opaque(b, name, module, at, kt)
     if name in ("sum", "mean", "amax", "amin"):
         if len(x_in) == 1 and not b.params:
-            attrs = _reduce_attrs(b.ops_by_name[x_in[0]].output_shape, av, kv, b.value.shape)
-            if attrs is not None and name in ("sum", "mean") and kv.get("dtype") is None \
-                    and b.ops_by_name[x_in[0]].dtype.is_floating_point and b.value.dtype.is_floating_point:
-                attrs.update(reduced=attrs.pop("_reduced"), keepdim=attrs.pop("_keep"))  # splits as partial sums
+            attrs, reduced, keep = _reduce_attrs(b.ops_by_name[x_in[0]].output_shape, av, kv, b.value.shape)
             if attrs is not None:
-                attrs.pop("_reduced", None), attrs.pop("_keep", None)
+                if name in ("sum", "mean") and kv.get("dtype") is None \
+                        and b.ops_by_name[x_in[0]].dtype.is_floating_point and b.value.dtype.is_floating_point:
+                    attrs.update(reduced=reduced, keepdim=keep)  # splits as partial sums
                 return b.make(name, "reduce", attrs=attrs, **mk)
         return _opaque(b, name, module, at, kt)
 
@@ -388,8 +387,8 @@ def _reduce_attrs(in_shape, av, kv, out_shape):
         else:
             amap.append(ia)
     if len(amap) != len(out_shape):
-        return None
-    return {"axis_map": amap, "_reduced": tuple(sorted(reduced)), "_keep": keep}
+        return None, (), keep
+    return {"axis_map": amap}, tuple(sorted(reduced)), keep
 
 
 def _pool(b, name, module, av, kv, mk):

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import Block, Rule, batch_dim, block_range, call_template, flatten, leaves, out_region, register
+from .base import (Block, Rule, batch_dim, block_range, call_template, flatten, leaves, out_region, reduced_axis,
+                   register)
 
 
 @register("loss")
@@ -36,12 +37,8 @@ class Loss(Rule):
         tshape = op.input_shapes[1]
         by_axis = {}
         for d in op.dims:
-            by_axis[d.axis if d.axis is not None else self._axis_of(op, d)] = block_range(op, block, d.name)
+            by_axis[d.axis if d.axis is not None else reduced_axis(d.name)] = block_range(op, block, d.name)
         return tuple(slice(*by_axis.get(a, (0, s))) for a, s in enumerate(tshape))
-
-    @staticmethod
-    def _axis_of(op, d):
-        return 0 if d.name in ("n", "d0") else (1 if d.name == "s" else int(d.name[1:]))
 
     def regions(self, op: Op, block: Block):
         t = self._target_region(op, block)
@@ -117,7 +114,7 @@ class PointwiseLoss(Rule):
         return dims
 
     def _region(self, op, block):
-        by_axis = {0 if d.name in ("n", "d0") else int(d.name[1:]): block_range(op, block, d.name)
+        by_axis = {reduced_axis(d.name) if d.axis is None else d.axis: block_range(op, block, d.name)
                    for d in op.dims}
         return tuple(slice(*by_axis.get(a, (0, s))) for a, s in enumerate(op.input_shapes[0]))
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ir import Dim, Op
-from .base import (Block, Rule, batch_dim, bind_template, call_template, out_region, region_shape, register,
-                   sample_dims)
+from .base import (Block, Rule, batch_dim, bind_template, call_template, out_region, reduced_axis, region_shape,
+                   register, sample_dims)
 
 __all__ = ["broadcast_region"]
 
@@ -115,7 +115,7 @@ class Reduce(Rule):
         out = {}
         for d in op.dims:
             if d.axis is None and d.name in block:
-                out[0 if d.name in ("n", "d0") else int(d.name[1:])] = block[d.name]
+                out[reduced_axis(d.name)] = block[d.name]
         return out
 
     def regions(self, op: Op, block: Block):
@@ -147,7 +147,7 @@ class Reduce(Rule):
         return fn(inputs, params) if fn is not None else call_template(op, inputs, params)
 
     def bind(self, op, block):
-        return self._partial(op, block) or super().bind(op, block)
+        return self._partial(op, block) or bind_template(op) or super().bind(op, block)
 
     def flops(self, op, block):
         return float(math.prod(op.input_shapes[0]))
