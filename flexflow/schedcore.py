@@ -115,7 +115,7 @@ def _sort_keys(K, T, K2, T2, n):
 # columns of the hot table (read by the scheduling loop): one 64-byte row per task
 READY, FIN, CNT, DUR, RES1, PRIO, SOFF, SLEN = range(8)
 # columns of the cold table (the delta restart, the rare multi-resource task)
-POFF, PLEN, ROFF, RLEN, ALIVE, MARK = range(6)
+POFF, PLEN, ROFF, RLEN, ALIVE, MARK, SCR = range(7)
 
 
 @_jit
@@ -440,74 +440,73 @@ def _succ_from_pred(n, H, C, PBUF, SBUF):
 def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
     """Tasks ``ids`` get new predecessor rows (``nbuf[noff[x]:noff[x] + nlen[x]]``): rewrite
     the successor rows of their old and new predecessors at the end of SBUF (from ``used``).
-    Returns the new end, or minus the end needed when SBUF is too short (nothing written)."""
+    Returns the new end, or minus the end needed when SBUF is too short (nothing written).
+
+    Each touched predecessor's row is copied once, with room for its additions; then every
+    removal (in the order of ``ids``) and every addition (likewise) is applied in place:
+    per predecessor, the same edits in the same order as one pass grouped by predecessor.
+    C[:, SCR] counts a touched predecessor's additions (plus one) and is zero again after."""
     m = 0
     for x in range(ids.shape[0]):
         m += C[ids[x], PLEN] + nlen[x]
-    ep = np.empty(m, np.int64)
-    et = np.empty(m, np.int64)
-    ed = np.empty(m, np.int64)
+    touched = np.empty(m, np.int64)
     k = 0
     for x in range(ids.shape[0]):
         t = ids[x]
         o = C[t, POFF]
         for i in range(o, o + C[t, PLEN]):
-            ep[k] = PBUF[i]
-            et[k] = t
-            ed[k] = -1
-            k += 1
+            p = PBUF[i]
+            if C[p, SCR] == 0:
+                C[p, SCR] = 1
+                touched[k] = p
+                k += 1
         o = noff[x]
         for i in range(o, o + nlen[x]):
-            ep[k] = nbuf[i]
-            et[k] = t
-            ed[k] = 1
-            k += 1
-    order = np.argsort(ep, kind="mergesort")
+            p = nbuf[i]
+            if C[p, SCR] == 0:
+                C[p, SCR] = 1
+                touched[k] = p
+                k += 1
+            C[p, SCR] += 1
     need = used
-    i = 0
-    while i < m:
-        p = ep[order[i]]
-        j = i
-        a = 0
-        while j < m and ep[order[j]] == p:
-            if ed[order[j]] > 0:
-                a += 1
-            j += 1
-        need += H[p, SLEN] + a  # (the old row is copied before its removals)
-        i = j
+    for j in range(k):
+        p = touched[j]
+        need += H[p, SLEN] + C[p, SCR] - 1  # (the old row is copied before its removals)
     if need > SBUF.shape[0]:
+        for j in range(k):
+            C[touched[j], SCR] = 0
         return -need
-    i = 0
-    while i < m:
-        p = ep[order[i]]
-        j = i
-        while j < m and ep[order[j]] == p:
-            j += 1
-        start = used
+    for j in range(k):
+        p = touched[j]
         o = H[p, SOFF]
         L = H[p, SLEN]
         for q in range(L):
-            SBUF[start + q] = SBUF[o + q]
-        for g in range(i, j):  # removals first, then additions
-            y = order[g]
-            if ed[y] < 0:
-                t = et[y]
-                q = 0
-                while q < L and SBUF[start + q] != t:
-                    q += 1
-                if q == L:
-                    raise ValueError("successor rows out of step with the predecessor rows")
-                L -= 1
-                SBUF[start + q] = SBUF[start + L]
-        for g in range(i, j):
-            y = order[g]
-            if ed[y] > 0:
-                SBUF[start + L] = et[y]
-                L += 1
-        H[p, SOFF] = start
-        H[p, SLEN] = L
-        used = start + L
-        i = j
+            SBUF[used + q] = SBUF[o + q]
+        H[p, SOFF] = used
+        used += L + C[p, SCR] - 1
+        C[p, SCR] = 0
+    for x in range(ids.shape[0]):  # removals first, then additions
+        t = ids[x]
+        o = C[t, POFF]
+        for i in range(o, o + C[t, PLEN]):
+            p = PBUF[i]
+            s = H[p, SOFF]
+            L = H[p, SLEN]
+            q = 0
+            while q < L and SBUF[s + q] != t:
+                q += 1
+            if q == L:
+                raise ValueError("successor rows out of step with the predecessor rows")
+            L -= 1
+            SBUF[s + q] = SBUF[s + L]
+            H[p, SLEN] = L
+    for x in range(ids.shape[0]):
+        t = ids[x]
+        o = noff[x]
+        for i in range(o, o + nlen[x]):
+            p = nbuf[i]
+            SBUF[H[p, SOFF] + H[p, SLEN]] = t
+            H[p, SLEN] += 1
     return used
 
 
@@ -587,6 +586,13 @@ class TaskArrays:
     def FIN(self) -> np.ndarray:
         return self.H[:self.n, FIN]
 
+    def column(self, name: str) -> list[int]:
+        """A task column as a list: "dur" (picoseconds), "prio" (the task's priority key) or
+        "alive" (1 for a live task, 0 for a dead id)."""
+        if name == "alive":
+            return self.C[:self.n, ALIVE].tolist()
+        return self.H[:self.n, {"dur": DUR, "prio": PRIO}[name]].tolist()
+
     def _grow(self, n: int) -> None:
         if n <= self.cap:
             return
@@ -626,7 +632,7 @@ class TaskArrays:
         """Mirror a patch: the tasks it killed, those whose predecessors it changed (and
         their predecessors' successor rows), and the tasks it allocated (column chunks, see
         ``TaskGraph.take_touched``)."""
-        n = self.n = len(tg.DUR)
+        n = self.n = len(tg.PRED)
         self._grow(n)
         H, C = self.H, self.C
         if killed:
@@ -657,7 +663,9 @@ class TaskArrays:
     def check(self, tg) -> None:
         """The arrays mirror ``tg`` (for tests): columns, routes, predecessor rows, and
         successor rows that hold exactly the live tasks' predecessor edges."""
-        n = len(tg.DUR)
+        if tg.ALIVE is None:
+            raise ValueError("check() needs a task graph that keeps its columns (TaskGraph.keep_columns)")
+        n = len(tg.PRED)
         H, C = self.H, self.C
         row = lambda seg, tab, t: sorted(seg.buf[tab[t, seg.oc]:tab[t, seg.oc] + tab[t, seg.lc]].tolist())
         succ = [[] for _ in range(n)]
@@ -705,3 +713,11 @@ class TaskArrays:
     def log(self) -> np.ndarray:
         """Task ids in the order the last run dequeued them."""
         return self.LOG[:self.nlog]
+
+    def resources(self, t: int) -> list[int]:
+        """The resources task ``t`` holds."""
+        r = int(self.H[t, RES1])
+        if r >= 0:
+            return [r]
+        o = self.C[t, ROFF]
+        return self.res.buf[o:o + self.C[t, RLEN]].tolist()

@@ -202,11 +202,12 @@ class Simulator:
         sched = _Schedule(self.ctx.R)
         sched.run_full(tg)
         ctx, ops, D = self.ctx, self.ctx.ops, self.ctx.D
-        FIN, DUR = sched.arrays.FIN.tolist(), tg.DUR
+        arr = sched.arrays
+        FIN, DUR, PRIO = arr.FIN.tolist(), arr.column("dur"), arr.column("prio")
         events = []
         for r, tids in enumerate(sched.per_resource(tg)):
             for t in tids:
-                a, kind, j, k, q = decode_prio(tg.KP[t] >> TID_BITS)
+                a, kind, j, k, q = decode_prio(PRIO[t])
                 if kind <= 3:
                     name = f"{ops[a].name} {KIND_NAMES[kind]}"
                 elif kind == 4:
@@ -349,19 +350,16 @@ class _Schedule:
         a = self.arrays
         tg.take_touched()
         a.load(tg)
+        tg.hand_over()
         done = a.run_full(limit)
         tg.release()
         return done
 
     def per_resource(self, tg: TaskGraph) -> list[list[int]]:
         """Per resource, the tasks it ran in order."""
-        out = [[] for _ in range(self.arrays.R)]
-        RES1, RESM = tg.RES1, tg.RESM
-        for t in self.arrays.log().tolist():
-            r = RES1[t]
-            if r >= 0:
+        a = self.arrays
+        out = [[] for _ in range(a.R)]
+        for t in a.log().tolist():
+            for r in a.resources(t):
                 out[r].append(t)
-            else:
-                for r in RESM[t]:
-                    out[r].append(t)
         return out

@@ -13,9 +13,15 @@ class _Patching:
     """Task allocation and the delta patch; mixed into TaskGraph, whose building blocks
     (``_form_units``, ``_make_unit``, ``_make_edge``, ...) it calls."""
 
+    keep_columns = False  # keep the task columns as lists after hand_over (for checks)
+
     # ---- task allocation ------------------------------------------------------------------
     def _alloc(self, durs: list, r1s: list, rms: list, prios: list):
-        """New task ids for tasks given column-wise (reusing released ids first)."""
+        """New task ids for tasks given column-wise (reusing released ids first).
+
+        Once the scheduler's arrays hold the columns (:meth:`hand_over`), a patch only
+        records its allocations for them (``take_touched``); the lists are kept up to date
+        as well only where ``keep_columns`` is set (the consistency checks of the tests)."""
         n = len(durs)
         if self._bulk is not None:  # building from scratch: the other columns come at the end
             base = len(self.DUR)
@@ -26,36 +32,47 @@ class _Patching:
             self._bulk += prios
             return range(base, base + n)
         free = self._free
+        keep = self.DUR is not None
         if len(free) >= n:
             tids = free[len(free) - n:]
-            del free[len(free) - n:]
-            DUR, RES1, RESM, KP, PRED, ALIVE = self.DUR, self.RES1, self.RESM, self.KP, self.PRED, self.ALIVE
-            for t, d, r1, rm, p in zip(tids, durs, r1s, rms, prios):
-                DUR[t], RES1[t], RESM[t], KP[t] = d, r1, rm, p << TID_BITS | t
-                PRED[t] = ()
-                ALIVE[t] = True
+            del free[len(free) - n:]  # (a released id's predecessors are () already: _kill)
+            if keep:
+                DUR, RES1, RESM, KP, ALIVE = self.DUR, self.RES1, self.RESM, self.KP, self.ALIVE
+                for t, d, r1, rm, p in zip(tids, durs, r1s, rms, prios):
+                    DUR[t], RES1[t], RESM[t], KP[t] = d, r1, rm, p << TID_BITS | t
+                    ALIVE[t] = True
         else:
-            base = len(self.DUR)
+            base = len(self.PRED)
             if base + n > TID_MASK:
                 raise ValueError("too many tasks for the simulator")
             tids = list(range(base, base + n))
-            self.DUR += durs
-            self.RES1 += r1s
-            self.RESM += rms
-            self.KP += [p << TID_BITS | t for p, t in zip(prios, tids)]
             self.PRED += [()] * n
-            self.ALIVE += [True] * n
+            if keep:
+                self.DUR += durs
+                self.RES1 += r1s
+                self.RESM += rms
+                self.KP += [p << TID_BITS | t for p, t in zip(prios, tids)]
+                self.ALIVE += [True] * n
         self._born += tids
         self._newcols.append((tids, durs, r1s, rms, prios))
         return tids
 
+    def hand_over(self) -> None:
+        """The scheduler's arrays now hold the task columns (durations, resources,
+        priorities, liveness): the lists are dropped, unless ``keep_columns``."""
+        if not self.keep_columns:
+            self.DUR = self.RES1 = self.RESM = self.KP = self.ALIVE = None
+
     def _kill(self, ts) -> None:
         """Mark tasks ``ts`` dead (the scheduler's arrays drop them from their predecessors'
         successors)."""
-        ALIVE, PRED = self.ALIVE, self.PRED
+        PRED = self.PRED
         for t in ts:
-            ALIVE[t] = False
             PRED[t] = ()
+        if self.ALIVE is not None:
+            ALIVE = self.ALIVE
+            for t in ts:
+                ALIVE[t] = False
         self._dead.extend(ts)
         self._killed.update(ts)
         self._repred.update(ts)  # (their predecessor rows empty)
@@ -85,7 +102,7 @@ class _Patching:
         self._born.clear()
 
     def num_tasks(self) -> int:
-        return len(self.DUR) - len(self._free) - len(self._dead)
+        return len(self.PRED) - len(self._free) - len(self._dead)
 
     # ---- delta ----------------------------------------------------------------------------
     def changed_groups(self, strategy) -> list[int]:
@@ -205,6 +222,8 @@ class _Patching:
     def validate(self) -> None:
         """Consistency of the task lists (for tests): dead tasks have no predecessors and no
         live task refers to a dead one."""
+        if self.ALIVE is None:
+            raise ValueError("validate() needs a task graph that keeps its columns (keep_columns)")
         for t, preds in enumerate(self.PRED):
             if not self.ALIVE[t]:
                 assert not preds, t

@@ -12,6 +12,7 @@ from flexflow.cost import CostModel
 from flexflow.machine import Machine
 from flexflow.simulate import SimResult, Simulator
 from flexflow.strategy import ParallelConfig, Strategy, candidate_configs, partitions
+from flexflow.taskgraph import TaskGraph
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +170,13 @@ def _walk(g, machine, steps, seed, check_every=1, validate_every=0, **options):
     would; the others are dropped, so the next call differs in two ops), back to data
     parallelism every 100 steps (a new chain); delta vs full at every step."""
     gc.disable()  # the walk keeps many task graphs and plans alive: collections are slow
+    # the consistency checks compare the scheduler's arrays with the task graph's own lists
+    TaskGraph.keep_columns = bool(validate_every)
     try:
         return _walk_inner(g, machine, steps, seed, check_every, validate_every, options)
     finally:
         gc.enable()
+        TaskGraph.keep_columns = False
 
 
 def _walk_inner(g, machine, steps, seed, check_every, validate_every, options):
@@ -221,6 +225,14 @@ def _walk_within(g, machine, steps, seed, **options):
     """Proposals simulated with a limit near their true time: None exactly when the full
     simulation is slower than the limit, else the full result; a stopped run leaves the
     simulator exact for the next call, limited or not."""
+    TaskGraph.keep_columns = True  # (for the final check)
+    try:
+        return _walk_within_inner(g, machine, steps, seed, **options)
+    finally:
+        TaskGraph.keep_columns = False
+
+
+def _walk_within_inner(g, machine, steps, seed, **options):
     cm = CostModel(machine)
     lim, full = Simulator(g, machine, cm, **options), Simulator(g, machine, cm, **options)
     rng = random.Random(seed)
@@ -265,6 +277,8 @@ from flexflow.machine import Machine
 from flexflow.simulate import Simulator
 from flexflow.schedcore import JIT
 from flexflow.strategy import Strategy, candidate_configs
+from flexflow.taskgraph import TaskGraph
+TaskGraph.keep_columns = True
 m, x = ff.models.get("lenet", batch_size=32, device="meta")
 g = ff.trace(m, x)
 mach = Machine.preset("k80-cluster", devices=8)
@@ -409,19 +423,21 @@ def test_comm_on_cores_holds_both_ends_and_adds_collective_latency(lenet):
     transfers and all-reduces), and each gradient bucket's and the loss all-reduce's latency adds to the step
     (the loss's only where it does not ride on the gradients)."""
     from flexflow.cost import GRAD_BUCKET_BYTES
-    from flexflow.taskkeys import SYNC, TID_BITS, XB, XF, decode_prio
+    from flexflow.taskkeys import SYNC, XB, XF, decode_prio
     on, off = _on_cores(4)
     assert on.fingerprint() != off.fingerprint() and Machine.from_json(on.to_json()) == on
     s = Strategy(lenet, dict(Strategy.random(lenet, off, 7).items()))  # for either machine
     son, soff = Simulator(lenet, on), Simulator(lenet, off)
     r_on, r_off = son.simulate(s), soff.simulate(s)
-    tg = son._tg
+    a = son._sched.arrays
+    alive, prio, dur = a.column("alive"), a.column("prio"), a.column("dur")
     extra = [0] * 4
-    for t in range(len(tg.KP)):
-        if tg.ALIVE[t] and decode_prio(tg.KP[t] >> TID_BITS)[1] in (XF, XB, SYNC):
-            for r in (tg.RESM[t] or ()):
+    for t in range(len(alive)):
+        if alive[t] and decode_prio(prio[t])[1] in (XF, XB, SYNC):
+            rs = a.resources(t)
+            for r in (rs if len(rs) > 1 else ()):  # (held with the link: a transfer or all-reduce)
                 if r < 4:
-                    extra[r] += tg.DUR[t]
+                    extra[r] += dur[t]
     assert sum(extra) > 0
     for d in range(4):
         assert r_on.device_busy[d] == pytest.approx(r_off.device_busy[d] + extra[d] / 1e12, rel=1e-9)
