@@ -544,7 +544,7 @@ class _Segments:
         live = int(lens.sum())
         starts = np.cumsum(lens) - lens
         idx = np.arange(live, dtype=_I8) + np.repeat(offs - starts, lens)
-        buf = np.zeros(max(2 * (live + room), 1024), _I8)
+        buf = np.zeros(max(4 * (live + room), 1024), _I8)  # (room for many patches before the next)
         buf[:live] = self.buf[idx]
         self.buf = buf
         table[:n, self.oc] = starts
@@ -630,25 +630,29 @@ class TaskArrays:
 
     def update(self, tg, killed, preds, born) -> None:
         """Mirror a patch: the tasks it killed, those whose predecessors it changed (and
-        their predecessors' successor rows), and the tasks it allocated (column chunks, see
+        their predecessors' successor rows), and the tasks it allocated (columns, see
         ``TaskGraph.take_touched``)."""
         n = self.n = len(tg.PRED)
         self._grow(n)
         H, C = self.H, self.C
         if killed:
             C[_ids(killed), ALIVE] = 0
-        if born:
-            col = lambda i: list(chain.from_iterable(c[i] for c in born))
-            ids = np.array(col(0), _I8)
-            H[ids, DUR] = col(1)
-            H[ids, RES1] = col(2)
-            H[ids, PRIO] = col(4)
+        if born[0]:
+            tids, durs, r1s, rms, prios = born
+            ids = np.array(tids, _I8)
+            H[ids, DUR] = durs
+            H[ids, RES1] = r1s
+            H[ids, PRIO] = prios
             C[ids, ALIVE] = 1
-            self.res.set_rows(C, n, ids, [r or () for r in col(3)])
+            C[ids, RLEN] = 0
+            multi = [i for i, r in enumerate(rms) if r]  # (routes: the rare multi-resource tasks)
+            if multi:
+                self.res.set_rows(C, n, ids[multi], [rms[i] for i in multi])
         if preds:
-            ids = _ids(preds)
+            ts = list(preds)
+            ids = np.array(ts, _I8)
             PRED = tg.PRED
-            rows = [PRED[t] for t in ids.tolist()]
+            rows = [PRED[t] for t in ts]
             lens = np.fromiter(map(len, rows), _I8, len(rows))
             flat = np.fromiter(chain.from_iterable(rows), _I8, int(lens.sum()))
             offs = np.cumsum(lens) - lens

@@ -73,7 +73,7 @@ class TaskGraph(_Patching):
         # what changed since the scheduler's arrays last mirrored the lists (take_touched)
         self._killed: set = set()
         self._repred: set = set()
-        self._newcols: list = []
+        self._newcols = ([], [], [], [], [])  # ids, durations, single resources, routes, priorities
         self._free: list[int] = []
         self._born: list[int] = []
         self._dead: list[int] = []

@@ -54,7 +54,12 @@ class _Patching:
                 self.KP += [p << TID_BITS | t for p, t in zip(prios, tids)]
                 self.ALIVE += [True] * n
         self._born += tids
-        self._newcols.append((tids, durs, r1s, rms, prios))
+        ni, nd, nr, nm, npr = self._newcols
+        ni += tids
+        nd += durs
+        nr += r1s
+        nm += rms
+        npr += prios
         return tids
 
     def hand_over(self) -> None:
@@ -87,12 +92,12 @@ class _Patching:
         self._repred.add(t)
         return True
 
-    def take_touched(self) -> tuple[set, set, list]:
+    def take_touched(self) -> tuple[set, set, tuple]:
         """What changed since the last call, for the scheduler's arrays: (ids killed, ids
-        whose predecessors changed, the allocations as (ids, durations, single resources,
-        routes, priorities) column chunks)."""
+        whose predecessors changed, the allocations as five lists: ids, durations, single
+        resources, routes, priorities)."""
         out = self._killed, self._repred, self._newcols
-        self._killed, self._repred, self._newcols = set(), set(), []
+        self._killed, self._repred, self._newcols = set(), set(), ([], [], [], [], [])
         return out
 
     def release(self) -> None:

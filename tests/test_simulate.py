@@ -582,7 +582,7 @@ def test_ready_queue_dequeues_in_ready_priority_id_order():
         # a delta run after changing one task's duration gives the full run's order too
         t = rng.randrange(n)
         tg.DUR[t] += 3
-        a.update(tg, set(), set(), [([t], [tg.DUR[t]], [res1[t]], [resm[t]], [prio[t]])])
+        a.update(tg, set(), set(), ([t], [tg.DUR[t]], [res1[t]], [resm[t]], [prio[t]]))
         a.run_delta([], [t], [])
         log, fin = reference(tg, R)
         assert a.log().tolist() == log and a.FIN.tolist() == fin
