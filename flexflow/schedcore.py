@@ -159,18 +159,22 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
                     CUR[m] = x
                     m += 1
                     x = NX[x]
-                hb -= 1  # pop the heap's top
+                hb -= 1  # pop the heap's top (a 4-ary heap: half the levels of a binary one)
                 if hb > 0:
                     kb, vb = HK[hb], ORD[hb]
                     i = 0
                     while True:
-                        c = 2 * i + 1
+                        c = 4 * i + 1
                         if c >= hb:
                             break
-                        if c + 1 < hb and HK[c + 1] < HK[c]:
-                            c += 1
-                        if HK[c] < kb:
-                            HK[i] = HK[c]
+                        e = c + 4 if c + 4 < hb else hb
+                        km = HK[c]
+                        for cc in range(c + 1, e):
+                            if HK[cc] < km:
+                                km = HK[cc]
+                                c = cc
+                        if km < kb:
+                            HK[i] = km
                             ORD[i] = ORD[c]
                             i = c
                         else:
@@ -258,7 +262,7 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
             i = hb
             hb += 1
             while i > 0:
-                q = (i - 1) >> 1
+                q = (i - 1) >> 2
                 if HK[q] > rr:
                     HK[i] = HK[q]
                     ORD[i] = ORD[q]
