@@ -28,7 +28,7 @@ import numpy as np
 
 from .taskkeys import TID_BITS
 
-__all__ = ["TaskArrays", "JIT", "NO_LIMIT"]
+__all__ = ["TaskArrays", "JIT", "NO_LIMIT", "prefix_peak"]
 
 try:  # pragma: no cover - depends on the environment
     if os.environ.get("FLEXFLOW_NO_JIT"):
@@ -512,6 +512,30 @@ def _succ_edits(ids, nbuf, noff, nlen, H, C, PBUF, SBUF, used):
             SBUF[H[p, SOFF] + H[p, SLEN]] = t
             H[p, SLEN] += 1
     return used
+
+
+@_jit
+def _prefix_peak(diff, u):
+    """Per column of ``diff`` (positions x devices): the largest running sum over the first
+    ``u`` rows (0 when u is 0), and the running sum through row u -- the cumulative sums
+    without materialising them."""
+    D = diff.shape[1]
+    run = np.zeros(D, np.int64)
+    peak = np.zeros(D, np.int64)
+    for i in range(u):
+        for d in range(D):
+            x = run[d] + diff[i, d]
+            run[d] = x
+            if i == 0 or x > peak[d]:
+                peak[d] = x
+    for d in range(D):
+        run[d] += diff[u, d]
+    return peak, run
+
+
+def prefix_peak(diff: np.ndarray, u: int) -> tuple[np.ndarray, np.ndarray]:
+    """(largest running sum of each column over rows < u, running sum through row u)."""
+    return _prefix_peak(diff, u)
 
 
 # ---- the arrays ------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ class Simulator:
         lat = sum(-(-nb // GRAD_BUCKET_BYTES) * m.allreduce_latency_s(devices) for devices, nb in per_group.items())
         D = self.ctx.D
         rides = (self.reduce_outputs == "with_gradients" and D > 1 and any(len(set(k)) == D for k in per_group)
-                 and not tg.OPCOMM.any())
+                 and not tg.comm_sum)
         return int(round((lat + (0.0 if rides else self._loss_latency_s)) * PS))
 
     def _after_graph_ps(self, tg: TaskGraph) -> int:
@@ -257,7 +257,7 @@ class Simulator:
         D = self.ctx.D
         if not skew or D < 2:
             return 0
-        busy = tg.OPBUSY[:, :D].sum(0) + tg.UBUSY.sum(0)
+        busy = tg.OPSUM[:D] + tg.USUM
         return int(round(skew * float(np.partition(busy, D - 2)[D - 2])))
 
     def _end_ps(self, after_graph_ps: int) -> int:
@@ -269,8 +269,8 @@ class Simulator:
         D = ctx.D
         end = self._end_ps(after_graph_ps)
         mem = tg.memory_peak()
-        busy = tg.OPBUSY.sum(0) + tg.CLBUSY.sum(0)
-        busy[:D] += tg.UBUSY.sum(0)
+        busy = tg.OPSUM + tg.CLSUM
+        busy[:D] += tg.USUM
         peak = [int(x) for x in mem]
         cap = ctx.capacity
         over = [(peak[d] - cap[d], d) for d in range(D) if peak[d] > cap[d]]
@@ -286,8 +286,8 @@ class Simulator:
         strategy = tg.strategy
         res = SimResult(
             iteration_time=end / PS,
-            comm_bytes=int(tg.OPCOMM.sum()),
-            sync_bytes=int(tg.CLSYNC.sum()),
+            comm_bytes=tg.comm_sum,
+            sync_bytes=tg.sync_sum,
             peak_memory=peak,
             feasible=not over,
             message=msg,

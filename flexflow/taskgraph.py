@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from .plans import Context
+from .schedcore import prefix_peak
 from .taskkeys import (KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK,  # noqa: F401 (re-exported)
                        decode_prio)
 from .taskpatch import _Patching
@@ -101,6 +102,13 @@ class TaskGraph(_Patching):
         self.CLBUSY = np.zeros((nc, R), np.int64)
         self.CLSYNC = np.zeros(nc, np.int64)
         self.CLPS = np.zeros(nc, np.int64)  # parameter-server sync picoseconds (sync="ps")
+        # running column sums of the rows above (a delta patch adds each changed row's
+        # difference, so a result needs no sum over every op): ops' busy time per resource,
+        # clusters' busy time, update tasks' per device, activation and sync bytes
+        self.OPSUM = np.zeros(R, np.int64)
+        self.CLSUM = np.zeros(R, np.int64)
+        self.USUM = np.zeros(D, np.int64)
+        self.comm_sum = self.sync_sum = 0
         self.strategy = strategy
         comp = ctx.compute
         ops = ctx.ops
@@ -152,6 +160,10 @@ class TaskGraph(_Patching):
             self.CEV[c] = evs[len(comp) + c]
         if evs:
             np.add.at(self.MEMDIFF, np.concatenate([e[0] for e in evs]), np.concatenate([e[1] for e in evs]))
+        self.OPSUM[:] = self.OPBUSY.sum(0)
+        self.CLSUM[:] = self.CLBUSY.sum(0)
+        self.USUM[:] = self.UBUSY.sum(0)
+        self.comm_sum, self.sync_sum = int(self.OPCOMM.sum()), int(self.CLSYNC.sum())
         self._born.clear()
 
     # ---- building blocks ------------------------------------------------------------------
@@ -233,7 +245,9 @@ class TaskGraph(_Patching):
             self.CLMAXSH[c] = cp.maxshard
             self.CLTRAIN[c] = cp.grad
             self._set_events(self.CEV, c, self.ctx.live.cluster_events(c, cp))
+            self.CLSUM += cp.busy - self.CLBUSY[c]
             self.CLBUSY[c] = cp.busy
+            self.sync_sum += int(cp.sync_bytes) - int(self.CLSYNC[c])
             self.CLSYNC[c] = cp.sync_bytes
             self.CLPS[c] = cp.ps_ps
 
@@ -242,7 +256,7 @@ class TaskGraph(_Patching):
         cls = [c for o in self.members[h] for c in self.ctx.first_clusters[o]]
         if not cls:
             self.UPDT[h] = {}
-            self.UBUSY[h] = 0
+            self._set_ubusy(h, 0)
             return
         plans = tuple(self.CPLAN[c] for c in cls)
         ds, durs, refs, row, nones, prios = self.ctx.update_plan(h, cls, plans)
@@ -256,8 +270,13 @@ class TaskGraph(_Patching):
                 setp(t, pred)
             else:
                 PRED[t] = tuple(pred)
-        self.UBUSY[h] = row
+        self._set_ubusy(h, row)
         self.UPDT[h] = dict(zip(ds, tids))
+
+    def _set_ubusy(self, h: int, row) -> None:
+        self.USUM -= self.UBUSY[h]
+        self.UBUSY[h] = row
+        self.USUM += self.UBUSY[h]
 
     def _f_pred(self, h: int) -> list[list[int]]:
         ctx = self.ctx
@@ -298,7 +317,10 @@ class TaskGraph(_Patching):
         return busy, comm
 
     def _rows(self, o: int) -> None:
-        self.OPBUSY[o], self.OPCOMM[o] = self._row(o)
+        busy, comm = self._row(o)
+        self.OPSUM += busy - self.OPBUSY[o]
+        self.comm_sum += comm - int(self.OPCOMM[o])
+        self.OPBUSY[o], self.OPCOMM[o] = busy, comm
 
     def _set_events(self, store: list, i: int, ev) -> None:
         """Replace the memory events of op / cluster i (a delta patch)."""
@@ -316,7 +338,5 @@ class TaskGraph(_Patching):
         """Per-device peak bytes of the step (memory.py): the largest live sum over the
         forward and backward positions, and the update with the optimizer's temporaries."""
         live = self.ctx.live
-        cum = np.cumsum(self.MEMDIFF, axis=0)
-        u = live.update_pos
-        peak = cum[:u].max(0) if u else np.zeros(self.ctx.D, np.int64)
-        return np.maximum(peak, cum[u] + live.update_temp(self.CLMAXSH, self.CLTRAIN))
+        peak, at_update = prefix_peak(self.MEMDIFF, live.update_pos)
+        return np.maximum(peak, at_update + live.update_temp(self.CLMAXSH, self.CLTRAIN))

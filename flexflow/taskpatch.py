@@ -183,7 +183,7 @@ class _Patching:
         for h in old_units:  # heads that are no longer heads
             if unit[h] != h:
                 self.UPDT[h] = {}
-                self.UBUSY[h] = 0
+                self._set_ubusy(h, 0)
         # rebuild
         for h in sorted(new_heads - kept):
             self._make_unit(h)
