@@ -148,13 +148,19 @@ class Liveness:
         self.dependents = [sorted(x) for x in self.dependents]
         self.use_ops = [sorted({v for v, _ in us}) for us in self.uses]
         self._rows: dict = {}
+        self._rowkey = [(o,) if ctx.kind[o] < 0 else
+                        (ctx.kind[o],) + tuple((ctx.everywhere[u], str(ops[u].dtype)) for u in ctx.inputs[o])
+                        for o in range(n)]
         self._ev: dict = {}
         self._foreach = [d.spec.kind.lower() != "cpu" for d in ctx.machine.devices]
 
     # ---- per-device byte rows of one op under one config --------------------------------
     def rows(self, o: int, cfg):
-        """(output, input-0 region, graph inputs read) bytes per device; devices mask."""
-        key = (o, cfg)
+        """(output, input-0 region, graph inputs read) bytes per device; devices mask.
+        Cached per (the op's geometry kind, which of its inputs are graph inputs and their
+        element types, config): the ops of one kind share them (the steps of an unrolled
+        recurrence, the blocks of a stack)."""
+        key = (self._rowkey[o], cfg)
         r = self._rows.get(key)
         if r is not None:
             return r
