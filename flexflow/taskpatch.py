@@ -35,6 +35,7 @@ class _Patching:
         keep = self.DUR is not None
         if len(free) >= n:
             tids = free[len(free) - n:]
+            tids.reverse()
             del free[len(free) - n:]  # (a released id's predecessors are () already: _kill)
             if keep:
                 DUR, RES1, RESM, KP, ALIVE = self.DUR, self.RES1, self.RESM, self.KP, self.ALIVE
@@ -102,7 +103,9 @@ class _Patching:
 
     def release(self) -> None:
         """After a schedule no longer refers to the dead tasks: reuse their ids."""
-        self._free.extend(self._dead)
+        if self._dead:
+            self._free.extend(self._dead)
+            self._free.sort(reverse=True)  # (allocations take the lowest ids, in ascending runs)
         self._dead.clear()
         self._born.clear()
 
