@@ -282,27 +282,36 @@ def test_nothing_fits_still_no_slower_than_a_baseline(lenet):
     assert r.result.iteration_time <= min(b.iteration_time for b in r.baselines.values()) * (1 + 1e-12)
 
 
-def test_search_makes_no_full_collections_and_restores_the_collector(lenet, p100, monkeypatch):
-    """During a search the oldest generation is never collected (its objects are the
-    cached plans); the collector's thresholds are back as they were afterwards, also
-    after a failure."""
+def test_search_pauses_the_collector_and_restores_it(lenet, p100, monkeypatch):
+    """During a search the cyclic collector is off (its objects are cached plans and task
+    lists: rescanning them costs evaluations); no collection runs in it or at its end (its
+    survivors go to the oldest generation unscanned); afterwards the collector is on again,
+    also after a failure, and stays off where it was off."""
     import gc
 
     import flexflow.simulate as sim_mod
-    before = gc.get_threshold()
     seen = []
-    real = sim_mod.Simulator._simulate
+    real = sim_mod.Simulator._simulate_gc  # (outside the simulation's own pause)
 
     def spy(self, *a, **k):
-        seen.append(gc.get_threshold())
+        seen.append(gc.isenabled())
         return real(self, *a, **k)
-    monkeypatch.setattr(sim_mod.Simulator, "_simulate", spy)
+    monkeypatch.setattr(sim_mod.Simulator, "_simulate_gc", spy)
+    assert gc.isenabled()
+    runs = [g["collections"] for g in gc.get_stats()]
     ff.search(lenet, p100, evaluations=20, seed=0, progress=False)
-    assert seen and all(t[2] >= 1 << 30 for t in seen)
-    assert gc.get_threshold() == before
+    assert [g["collections"] for g in gc.get_stats()] == runs
+    assert seen and not any(seen)
+    assert gc.isenabled()
     with pytest.raises(SearchError):
         ff.search(lenet, p100, evaluations=20, seed=0, progress=False, chains=0)
-    assert gc.get_threshold() == before
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ff.search(lenet, p100, evaluations=5, seed=0, progress=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_search_warns_when_the_baselines_take_most_of_the_budget(lenet, p100):

@@ -10,7 +10,7 @@ import warnings
 from ..bound import LoadBound
 from ..cost import CostModel
 from ..ir import OpGraph
-from ..simulate import no_full_collections
+from ..simulate import deferred_collections
 from ..strategy import Strategy
 from ..taskkeys import PS
 from .baselines import baseline_strategies
@@ -24,16 +24,16 @@ _LAGGING = 1.5  # ... when its cost is more than this times the best chain's
 _OVERHEAD_TASKS = 200  # a proposal's fixed cost, in tasks, for the turn taking
 
 
-def _no_full_collections(fn):
-    """``fn`` without full garbage collections (``simulate.no_full_collections``)."""
+def _deferred_collections(fn):
+    """``fn`` with the cyclic collector off (``simulate.deferred_collections``)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with no_full_collections():
+        with deferred_collections():
             return fn(*args, **kwargs)
     return run
 
 
-@_no_full_collections
+@_deferred_collections
 def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_model=None, *,
            evaluations: int | None = None, init: Strategy | str | None = None, progress=None,
            chains: int | None = None, delta: bool = True, candidates: Candidates | None = None,
