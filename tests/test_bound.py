@@ -76,6 +76,29 @@ def test_screen_keeps_the_chain(graphs, name):
     assert [(e, t) for e, _, t in a.history] == [(e, t) for e, _, t in b.history]
 
 
+def test_a_hopeless_start_is_screened_not_simulated(graphs, monkeypatch):
+    """A random start whose load bound is already more than 1.5x another start's cost would
+    begin at the best start anyway: the screen settles it without building its (large) task
+    graph, and the chain is the one an unscreened search follows."""
+    import flexflow.simulate as sim_mod
+    g = graphs["inception_v3"]
+    m = Machine.preset("k80-cluster", devices=8)
+    simulated = []
+    real = sim_mod.Simulator._simulate_gc
+
+    def spy(self, strategy, *a, **k):
+        simulated.append(getattr(strategy, "name", ""))
+        return real(self, strategy, *a, **k)
+    monkeypatch.setattr(sim_mod.Simulator, "_simulate_gc", spy)
+    a = search(g, m, evaluations=60, seed=3, progress=False, chains=6)
+    starts = [n for n in a.chains if n.startswith("random")]
+    assert starts and not any(n.startswith("random") for n in simulated)
+    b = search(g, m, evaluations=60, seed=3, progress=False, chains=6, screen=False)
+    assert any(n.startswith("random") for n in simulated)  # (unscreened: simulated)
+    assert a.strategy.to_json() == b.strategy.to_json() and a.evaluations == b.evaluations
+    assert [(e, t) for e, _, t in a.history] == [(e, t) for e, _, t in b.history]
+
+
 def test_block_moves_carry_a_split_downstream(graphs):
     g = graphs["inception_v3"]
     m = Machine.preset("k80-cluster", devices=8)

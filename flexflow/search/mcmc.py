@@ -148,12 +148,22 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         state, cost, sims, bounds, size = [], [], [], [], []
         for name, s in starts:
             sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
+            sims.append(sim)
+            state.append(s)
+            if name not in base_res and screen and cost and \
+                    LoadBound(sim.ctx, s).value() / PS > _LAGGING * min(cost) * (1.0 + 1e-12):
+                # its cost is at least its load bound, more than _LAGGING times a start's:
+                # it would begin at the best start instead (below), simulated or not (a
+                # random start at 64 devices has 10x data parallelism's tasks)
+                run.screened()
+                screened += 1
+                cost.append(math.inf)
+                size.append(0)
+                continue
             # a baseline start is simulated already; the chain's simulator starts with its
             # first proposal
             res = base_res[name] if name in base_res else sim.simulate(s, incremental=delta)
-            state.append(s)
             cost.append(run.seen(s, res)[1])
-            sims.append(sim)
             size.append(res.num_tasks)
         lead = min(range(len(starts)), key=cost.__getitem__)
         for c in range(len(starts)):  # a hopeless start begins at the best one instead
