@@ -642,7 +642,7 @@ class TaskArrays:
     def load(self, tg) -> None:
         """Mirror every task of ``tg``."""
         n = self.n = len(tg.DUR)
-        self._grow(n)
+        self._grow(n + n // 4 + 64)  # (room for the ids the first patches add)
         H, C = self.H, self.C
         H[n:] = 0  # (ids a later patch appends start empty)
         C[n:] = 0

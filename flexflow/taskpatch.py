@@ -104,8 +104,10 @@ class _Patching:
     def release(self) -> None:
         """After a schedule no longer refers to the dead tasks: reuse their ids."""
         if self._dead:
+            # in descending order on top of the stack: the next allocations take these ids
+            # back in ascending runs (sorting the whole free list too cost more than it gave)
+            self._dead.sort(reverse=True)
             self._free.extend(self._dead)
-            self._free.sort(reverse=True)  # (allocations take the lowest ids, in ascending runs)
         self._dead.clear()
         self._born.clear()
 
