@@ -143,10 +143,10 @@ class TaskGraph(_Patching):
         self.ALIVE = [True] * nt
         PRED = self.PRED
         for h in heads:
-            for t, p in zip(self.FT[h], self._f_pred(h)):
-                PRED[t] = tuple(p)
-            for t, p in zip(self.BT[h], self._b_pred(h)):
-                PRED[t] = tuple(p)
+            for t, p in zip(self.FT[h], self._f_preds(h)):
+                PRED[t] = p
+            for t, p in zip(self.BT[h], self._b_preds(h)):
+                PRED[t] = p
         if comp:
             rows = [self._row(o) for o in comp]
             self.OPBUSY[comp] = np.stack([r[0] for r in rows])
@@ -277,6 +277,34 @@ class TaskGraph(_Patching):
         self.USUM -= self.UBUSY[h]
         self.UBUSY[h] = row
         self.USUM += self.UBUSY[h]
+
+    def _f_preds(self, h: int) -> list[tuple]:
+        """The predecessors of each fwd task of unit h, as tuples.  Where every input edge
+        of the unit is an identity (partition k reads partition k of the producer, on its
+        device: data parallelism's usual case) they are the producers' tasks side by side."""
+        EDGES, EPLAN, ins = self.EDGES, self.EPLAN, self.ctx.inputs
+        cols = []
+        for o in self.members[h]:
+            for j, rec in enumerate(EDGES[o]):
+                if rec is not None:
+                    if not EPLAN[o][j].identity:
+                        return [tuple(p) for p in self._f_pred(h)]
+                    cols.append(self.FT[ins[o][j]])
+        return list(zip(*cols)) if cols else [()] * len(self.FT[h])
+
+    def _b_preds(self, h: int) -> list[tuple]:
+        """The predecessors of each bwd task of unit h, as tuples (``_f_preds``'s shortcut
+        where every consumer edge is an identity)."""
+        EDGES, EPLAN = self.EDGES, self.EPLAN
+        cols = []
+        for o in self.members[h]:
+            for v, j in self.ctx.cons[o]:
+                rec = EDGES[v][j]
+                if rec is not None:
+                    if not EPLAN[v][j].identity:
+                        return [tuple(p) for p in self._b_pred(h)]
+                    cols.append(self.BT[v])
+        return list(zip(*cols)) if cols else [(f,) for f in self.FT[h]]
 
     def _f_pred(self, h: int) -> list[list[int]]:
         ctx = self.ctx

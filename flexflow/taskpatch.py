@@ -206,16 +206,14 @@ class _Patching:
         dirty = []
         PRED, repred = self.PRED, self._repred
         for h in pf:
-            for t, p in zip(self.FT[h], self._f_pred(h)):
-                p = tuple(p)
+            for t, p in zip(self.FT[h], self._f_preds(h)):
                 if PRED[t] != p:  # (_set_pred, inline)
                     PRED[t] = p
                     repred.add(t)
                     if t not in born:
                         dirty.append(t)
         for h in pb:
-            for t, p in zip(self.BT[h], self._b_pred(h)):
-                p = tuple(p)
+            for t, p in zip(self.BT[h], self._b_preds(h)):
                 if PRED[t] != p:
                     PRED[t] = p
                     repred.add(t)
