@@ -183,9 +183,15 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
                     ORD[i] = vb
             if lastv == cur:
                 lastv, lastb = -1, -1
-            for i in range(m):
-                K[i] = H[CUR[i], PRIO]
-            _sort_keys(K, CUR, K2, T2, m)
+            if m == 2:  # (most buckets hold one or two tasks once the devices' symmetry breaks)
+                a, b = CUR[0], CUR[1]
+                pa, pb = H[a, PRIO], H[b, PRIO]
+                if pb < pa or (pb == pa and b < a):
+                    CUR[0], CUR[1] = b, a
+            elif m > 2:
+                for i in range(m):
+                    K[i] = H[CUR[i], PRIO]
+                _sort_keys(K, CUR, K2, T2, m)
             clo, chi = 0, m
         t = CUR[clo]
         clo += 1
