@@ -32,7 +32,8 @@ import numpy as np
 
 from .cost import GRAD_BUCKET_BYTES, CostModel
 from .memory import optimizer_state_copies
-from .schedcore import NO_LIMIT, TaskArrays
+from .schedarrays import TaskArrays
+from .schedcore import NO_LIMIT
 from .taskgraph import KIND_NAMES, PS, SYNC_MODELS, TID_BITS, Context, TaskGraph, decode_prio
 
 __all__ = ["Simulator", "SimResult"]
@@ -347,7 +348,7 @@ def deferred_collections():
 
 class _Schedule:
     """The timeline of the last run, in the compiled scheduler's arrays
-    (:class:`flexflow.schedcore.TaskArrays`): each task's finish time, the order tasks were
+    (:class:`flexflow.schedarrays.TaskArrays`): each task's finish time, the order tasks were
     dequeued, and when each resource is free."""
 
     def __init__(self, R: int):

@@ -532,7 +532,7 @@ def test_ready_queue_dequeues_in_ready_priority_id_order():
     priorities, tasks on several resources, a delta run from the middle."""
     import heapq
     from types import SimpleNamespace
-    from flexflow.schedcore import TaskArrays
+    from flexflow.schedarrays import TaskArrays
     from flexflow.taskkeys import TID_BITS
 
     def reference(tg, R):
