@@ -379,21 +379,30 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
             for j in range(o, o + C[t, RLEN]):
                 free[RBUF[j]] = H[t, FIN]
     # the suffix: every live task outside the prefix, waiting for all its predecessors ...
+    # (one pass: each suffix row is touched once; with a limit, its work is queued too)
     stamp += 1
     ns = 0
+    track = limit < NO_LIMIT
+    if track:
+        for r in range(rem.shape[0]):
+            rem[r] = 0
     for t in range(n):
         if C[t, ALIVE] and C[t, MARK] != stamp - 1:
             C[t, MARK] = stamp
             SUF[ns] = t
             ns += 1
-    if limit < NO_LIMIT:
-        _queued_work(SUF[:ns], H, C, RBUF, rem)
-        if _over(free, rem, limit):
-            return keep, ns, True
-    for x in range(ns):
-        t = SUF[x]
-        H[t, CNT] = C[t, PLEN]
-        H[t, READY] = 0
+            H[t, CNT] = C[t, PLEN]
+            H[t, READY] = 0
+            if track:
+                r = H[t, RES1]
+                if r >= 0:
+                    rem[r] += H[t, DUR]
+                else:
+                    o = C[t, ROFF]
+                    for i in range(o, o + C[t, RLEN]):
+                        rem[RBUF[i]] += H[t, DUR]
+    if track and _over(free, rem, limit):
+        return keep, ns, True
     # ... but those in the prefix, which are done (a prefix task's predecessors are all in
     # the prefix, so walking the prefix's successors finds every such edge once)
     for i in range(keep):
