@@ -277,18 +277,24 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
 
 
 @_jit
+def _queue(t, H, C, RBUF, rem):
+    """Add task t's duration to the queued work of each resource it holds."""
+    r = H[t, RES1]
+    if r >= 0:
+        rem[r] += H[t, DUR]
+    else:
+        o = C[t, ROFF]
+        for i in range(o, o + C[t, RLEN]):
+            rem[RBUF[i]] += H[t, DUR]
+
+
+@_jit
 def _queued_work(ts, H, C, RBUF, rem):
     """rem[r] = the durations of tasks ``ts`` on resource r."""
     for r in range(rem.shape[0]):
         rem[r] = 0
     for t in ts:
-        r = H[t, RES1]
-        if r >= 0:
-            rem[r] += H[t, DUR]
-        else:
-            o = C[t, ROFF]
-            for i in range(o, o + C[t, RLEN]):
-                rem[RBUF[i]] += H[t, DUR]
+        _queue(t, H, C, RBUF, rem)
 
 
 @_jit
@@ -394,13 +400,7 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
             H[t, CNT] = C[t, PLEN]
             H[t, READY] = 0
             if track:
-                r = H[t, RES1]
-                if r >= 0:
-                    rem[r] += H[t, DUR]
-                else:
-                    o = C[t, ROFF]
-                    for i in range(o, o + C[t, RLEN]):
-                        rem[RBUF[i]] += H[t, DUR]
+                _queue(t, H, C, RBUF, rem)
     if track and _over(free, rem, limit):
         return keep, ns, True
     # ... but those in the prefix, which are done (a prefix task's predecessors are all in
