@@ -468,6 +468,12 @@ class Runtime:
             if k is not None:  # h or c of a cell: the part itself, no op at all
                 src = step.inputs[0][1]
                 return lambda vals, pvals: vals[src].parts[k]
+        rule, block = RULES[op.rule], step.part.block
+        if op.rule == "index" and len(step.inputs) == 1 and step.inputs[0] is not None \
+                and step.inputs[0][2] is not None and step.inputs[0][1] not in stacked_in:
+            _, src, data = step.inputs[0]  # the region read and the index as one index
+            fn = rule.bind(op, block, within=data)
+            return lambda vals, pvals: fn([vals[src]], None)
         getters = []
         for entry in step.inputs:
             if entry is None:
@@ -485,7 +491,6 @@ class Runtime:
                     return vals[src][data]
             getters.append(get)
         pgetters = step.param_readers
-        rule, block = RULES[op.rule], step.part.block
         if op.attrs.get("stacked") and hasattr(rule, "compute_parts"):  # (h, c) kept apart
             def fn(ins, params):
                 return _Stacked(rule.compute_parts(op, block, ins, params))
@@ -567,8 +572,10 @@ class Runtime:
             return dist.batch_isend_irecv([
                 dist.P2POp(dist.isend if s else dist.irecv, t, peer, self.p2p_group, tag)
                 for s, t, peer, tag in ops])
-        return [(dist.isend if s else dist.irecv)(t, peer, group=self.p2p_group, tag=tag)
-                for s, t, peer, tag in ops]
+        g = self.p2p_group  # spans every rank: its ranks are the global ones
+        if isinstance(g, dist.ProcessGroup):  # straight to the group (dist.isend's checks cost tens of us)
+            return [(g.send if s else g.recv)([t], peer, tag) for s, t, peer, tag in ops]
+        return [(dist.isend if s else dist.irecv)(t, peer, group=g, tag=tag) for s, t, peer, tag in ops]
 
     def _read_rider(self, job: "_Rider") -> None:
         """An output riding on the gradient all-reduce, at its first read (or at
@@ -595,7 +602,7 @@ class Runtime:
         pieces += [job.full.reshape(-1) for job in riders]
         pieces.append(torch.ones(1, dtype=self.ride_dtype, device=self.device))
         flat = torch.cat(pieces)
-        work = dist.all_reduce(flat, group=self.ride_group, async_op=True)
+        work = _all_reduce(flat, self.ride_group)
         self.wait([work], lambda: f"all_reduce of outputs {[j.name for j in riders]} among all {self.world} "
                                   f"ranks, read before backward()")
         _copy_riders(riders, flat, self.ride_numel)
@@ -1014,7 +1021,7 @@ class _OutputFn(torch.autograd.Function):
                 out.work = job = _Rider(out.name, full)
                 rt._riders.append(job)
                 return full
-            work = dist.all_reduce(full, group=rt.coll_group, async_op=True)
+            work = _all_reduce(full, rt.coll_group)
             if full.dtype == out.dtype and out.dtype.is_floating_point:  # waited at first read (Runtime._run wraps the output)
                 out.work = work
                 return full
@@ -1031,6 +1038,15 @@ class _OutputFn(torch.autograd.Function):
         if out.region is not None and g is not None:
             gx = g[out.region]
         return None, None, torch.zeros((), device=ctx.rt.device), gx
+
+
+def _all_reduce(t: torch.Tensor, group):
+    """Start summing ``t`` over ``group``; its work.  Straight to the process group's
+    own call: ``dist.all_reduce``'s checks cost tens of microseconds a call, which a
+    step of small buckets pays every time (DDP's reducer calls the group directly too)."""
+    if isinstance(group, dist.ProcessGroup):
+        return group.allreduce([t])
+    return dist.all_reduce(t, group=group, async_op=True)
 
 
 def _copy_riders(riders, flat: torch.Tensor, off: int) -> None:
@@ -1086,7 +1102,7 @@ class _GradSync:
                 pieces += [job.full.reshape(-1) for job in riders]
                 pieces.append(torch.zeros(1, dtype=pieces[0].dtype, device=pieces[0].device))
             flat = self._flat((gate.op, pos), pieces)
-            work = dist.all_reduce(flat, group=rt.ride_group if ride else rt.groups[key], async_op=True)
+            work = _all_reduce(flat, rt.ride_group if ride else rt.groups[key])
             for job in riders:
                 job.state = _Rider.SENT
             self.works.append((work, flat, params, key, riders, ride, None))
@@ -1136,7 +1152,7 @@ class _GradSync:
         the first ``n`` elements of ``flat`` (the bucket's sum so far)."""
         rt = self.rt
         extra = mine if mine is not None else torch.zeros(n, dtype=flat.dtype, device=flat.device)
-        work = dist.all_reduce(extra, group=rt.ride_group, async_op=True)
+        work = _all_reduce(extra, rt.ride_group)
         rt.wait([work], lambda: f"gradients of the ride bucket, after an output was read before backward() "
                                 f"on some rank")
         flat[:n] += extra

@@ -217,3 +217,29 @@ def test_single_process_errors():
     bigger = ff.models.get("lenet", batch_size=4, size="small")[1]
     with pytest.raises(RuntimeError, match="traced"):
         model(*bigger)
+
+
+def test_an_index_of_a_region_is_one_index_of_the_held_tensor():
+    """x[:, t] of a partition's region runs as the module's own index: the region
+    and the index composed, not a slice and then an index (one op, one backward
+    node, as nn.LSTM-style unrolling does per time step)."""
+    from flexflow.ops import RULES
+    from flexflow.ops.catalog import index_attrs
+    from flexflow.ir import Op
+
+    x = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
+    rule = RULES["index"]
+    # (the module's index, the region of x a partition reads, what that partition computes)
+    cases = [((slice(None), 3), (slice(1, 3), slice(3, 4), slice(0, 5)), x[1:3, 3]),
+             ((slice(None), slice(1, 3), None), (slice(0, 4), slice(2, 3), slice(0, 5)), x[:, 2:3, None, :]),
+             ((2,), (slice(2, 3), slice(0, 6), slice(1, 4)), x[2, :, 1:4])]
+    for idx, region, expected in cases:
+        attrs = index_attrs((4, 6, 5), idx)
+        op = Op(name="getitem", kind="getitem", rule="index", inputs=["x"], output_shape=tuple(x[idx].shape),
+                input_shapes=[(4, 6, 5)], attrs=attrs, dtype=torch.float32)
+        two_steps = rule.bind(op, None)([x[region]], None)
+        composed = rule.bind(op, None, within=region)([x], None)
+        assert torch.equal(two_steps, expected), idx
+        assert torch.equal(composed, expected), idx
+    with pytest.raises(ValueError, match="step"):
+        rule.bind(op, None, within=(slice(0, 4, 2), slice(0, 6), slice(0, 5)))

@@ -82,7 +82,10 @@ class Index(_Mapped):
     def compute(self, op, block, inputs, params):
         return self.bind(op, block)(inputs, params)
 
-    def bind(self, op, block):
+    def bind(self, op, block, within=None):
+        """``within``: the region of the held input the partition's block is
+        (relative slices); the index then applies to the held tensor in one go,
+        as the module's own ``x[:, t]`` does, not as a slice and then an index."""
         # the partition's input block has the input's rank: the index is fixed
         idx = []
         amap = op.attrs["axis_map"]
@@ -96,6 +99,8 @@ class Index(_Mapped):
                 idx.append(slice(a, b))
             else:
                 idx.append(0)
+        if within is not None:
+            idx = [_within(r, i) for r, i in zip(within, idx)]
         idx, new_axes = tuple(idx), tuple(op.attrs.get("new_axes", ()))
         if not new_axes:
             return lambda inputs, params: inputs[0][idx]
@@ -106,6 +111,18 @@ class Index(_Mapped):
                 y = y.unsqueeze(oa)
             return y
         return index
+
+
+def _within(r: slice, i):
+    """Index ``i`` (an int or a slice) of the part ``r`` of an axis, as an index of the axis."""
+    if r.step not in (None, 1):
+        raise ValueError(f"a region with step {r.step}")
+    start = r.start or 0
+    if isinstance(i, int):
+        return start + i
+    a = start if i.start is None else start + i.start
+    b = r.stop if i.stop is None else start + i.stop
+    return slice(a, b)
 
 
 @register("concat")
@@ -134,8 +151,8 @@ class Concat(Rule):
 
     def compute(self, op, block, inputs, params):
         axis = op.attrs["axis"]
-        pieces = [x.unsqueeze(axis) if op.attrs["stack"] else x for x in inputs if x is not None]
-        return torch.cat(pieces, axis)
+        pieces = [x for x in inputs if x is not None]
+        return torch.stack(pieces, axis) if op.attrs["stack"] else torch.cat(pieces, axis)
 
     def flops(self, op, block):
         return 0.0
