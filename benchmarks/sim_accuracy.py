@@ -3,7 +3,8 @@
 For a CNN, a recurrent model, the transformer and a model whose parameters
 dominate (``wide_mlp`` of ``real_speedup.py``), scaled to run here, and eight
 strategies each (data parallel, model parallel, expert, searched and four
-random ones), on 2 gloo processes (one thread each): the
+random ones, each op's config redrawn from data parallelism's with probability
+1/8 to 1, kept when the analytic model puts them 10% apart from the others), on 2 gloo processes (one thread each): the
 iteration time the simulator predicts (machine calibrated with
 ``flexflow profile --comm``, ops profiled on this CPU) against the measured
 time of a training step with the executor.  Reports each case's relative
@@ -28,6 +29,41 @@ RESULTS = os.path.join(HERE, "results")
 # model, global batch: sized so that compute dominates Python overheads here
 CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32), ("wide_mlp", 32)]
 ROUNDS = 5
+# The random strategies: draw j (seed j) redraws each op's config with probability
+# RANDOM_FRACTIONS[j % 4] and keeps data parallelism's otherwise (from near data
+# parallelism to uniformly random, as the search's chains wander).  A draw is kept when
+# the analytic model (not the profiled one under test) puts it at least RANDOM_APART away
+# from every strategy kept so far: two strategies that cost the same within the noise of
+# a measurement have no order to predict, and uniform draws alone land in one cluster.
+RANDOM_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
+RANDOM_APART = 0.10
+RANDOM_DRAWS = 200
+
+
+def distinct_randoms(graph, machine, dp, sim, chosen, count=4):
+    """``count`` random strategies (label -> strategy) apart from ``chosen`` and from each
+    other by RANDOM_APART in ``sim``'s iteration time, and the names of the draws skipped."""
+    import flexflow as ff
+    def apart(t, times):  # the relative distance to the nearest
+        return min(abs(t - u) / min(t, u) for u in times)
+    times = [sim.simulate(s, incremental=False).iteration_time for s in chosen]
+    kept, skipped = {}, []
+    for j in range(1, RANDOM_DRAWS + 1):
+        s = ff.Strategy.random(graph, machine, j, base=dp, fraction=RANDOM_FRACTIONS[j % len(RANDOM_FRACTIONS)])
+        t = sim.simulate(s, incremental=False).iteration_time
+        if apart(t, times) > RANDOM_APART:
+            kept[f"random{len(kept) + 1}"] = s
+            times.append(t)
+            if len(kept) == count:
+                break
+        else:
+            skipped.append((s, t))
+    while len(kept) < count and skipped:  # too few apart: the farthest of the rest
+        s, t = max(skipped, key=lambda st: apart(st[1], times))
+        skipped.remove((s, t))
+        kept[f"random{len(kept) + 1}"] = s
+        times.append(t)
+    return kept, [s.name for s, _ in skipped]
 NPROCS = 2
 
 
@@ -39,6 +75,12 @@ def kendall_tau(xs, ys) -> float:
             a, b = xs[i] - xs[j], ys[i] - ys[j]
             s += 1.0 if a * b > 0 else (-1.0 if a * b < 0 else 0.0)
     return s / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
+def near_ties(rows, within=0.05) -> list:
+    """Pairs of strategies whose measured step times lie within ``within`` of each other."""
+    return [(a["strategy"], b["strategy"]) for i, a in enumerate(rows) for b in rows[i + 1:]
+            if abs(a["measured_ms"] - b["measured_ms"]) <= within * min(a["measured_ms"], b["measured_ms"])]
 
 
 def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
@@ -86,17 +128,20 @@ def main(argv=None) -> int:
     machine = ff.Machine.preset("cpu", devices=NPROCS)
     warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 4, a.rounds)
     from real_speedup import build
-    rows = []
+    rows, draws = [], {}
     for name, batch in CASES:
         module, inputs = build(name, batch)
         graph = ff.trace(module, inputs)
+        dp = ff.Strategy.data_parallel(graph, machine)
         strategies = {
-            "data_parallel": ff.Strategy.data_parallel(graph, machine),
+            "data_parallel": dp,
             "model_parallel": ff.Strategy.model_parallel(graph, machine),
             "expert": ff.Strategy.expert(graph, machine),
-            **{f"random{k}": ff.Strategy.random(graph, machine, k) for k in range(1, 5)},
         }
         analytic_sim = Simulator(graph, machine, CostModel(machine))  # what parallelize() uses unprofiled
+        randoms, skipped = distinct_randoms(graph, machine, dp, analytic_sim, list(strategies.values()))
+        strategies.update(randoms)
+        draws[name] = {"kept": {k: s.name for k, s in randoms.items()}, "skipped": skipped}
         for label, s in strategies.items():
             profile_graph(graph, "cpu", strategy=s, repeats=3 if a.quick else 5)
         cost = CostModel.for_machine(machine)
@@ -128,7 +173,8 @@ def main(argv=None) -> int:
     a_errs = [abs(r["analytic_error"]) for r in rows]
     a_taus = {name: kendall_tau([r["analytic_ms"] for r in rows if r["model"] == name],
                                 [r["measured_ms"] for r in rows if r["model"] == name]) for name, _ in CASES}
-    summary = {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
+    ties = {name: near_ties([r for r in rows if r["model"] == name]) for name, _ in CASES}
+    summary = {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs), "near_ties": ties,
                "within_30pct": sum(e < 0.3 for e in errs), "cases": len(errs), "kendall_tau": taus,
                "analytic": {"median_abs_error": statistics.median(a_errs), "max_abs_error": max(a_errs),
                             "within_30pct": sum(e < 0.3 for e in a_errs), "kendall_tau": a_taus},
@@ -136,7 +182,7 @@ def main(argv=None) -> int:
                "seconds": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"rows": rows, "summary": summary}, f, indent=1, default=str)
+        json.dump({"rows": rows, "summary": summary, "random_draws": draws}, f, indent=1, default=str)
     _plot(rows, a.out)
     cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "") + \
         (f" --rounds {a.rounds}" if a.rounds != ROUNDS and not a.quick else "")
@@ -182,8 +228,14 @@ def main(argv=None) -> int:
               "- The ranks' speeds jitter, so a step's synchronisation waits for the slowest: the "
               f"fitted sync skew ({figures.get('sync_skew', 0):.2f} of the compute before it) times the "
               "second busiest device's compute adds to the step.",
-              "- Kendall's tau counts near ties (alexnet's random strategies measure within 7% of each "
-              "other, wide_mlp's expert, random1 and random3 within 5%) as fully as clear orderings.",
+              "- The random strategies: draw j redraws each op's config from data parallelism's with "
+              "probability 1/8, 1/4, 1/2 or 1 (j mod 4); a draw is kept when the analytic model puts it 10% "
+              "or more from every strategy kept before it. Skipped draws: "
+              + "; ".join(f"{k} {len(v['skipped'])} ({', '.join(v['kept'].values())} kept)"
+                          for k, v in draws.items()) + ".",
+              "- Kendall's tau counts near ties as fully as clear orderings. Pairs measured within 5% of "
+              "each other: " + ("; ".join(f"{k}: " + ", ".join(f"{a}/{b}" for a, b in v)
+                                          for k, v in ties.items() if v) or "none") + ".",
               "- Ties follow the executor's order: a send before the next compute of the sender, the "
               "backward in reverse op order; profiles and the analytic backward leave out the gradient of "
               "inputs that no parameter feeds (the image batch into the first layer).",

@@ -522,14 +522,22 @@ class Strategy(Mapping):
         return cls(graph, configs, machine, name="single_device")
 
     @classmethod
-    def random(cls, graph: OpGraph, machine, seed: int = 0) -> "Strategy":
-        """A uniformly random candidate config per share group."""
+    def random(cls, graph: OpGraph, machine, seed: int = 0, *, base: "Strategy | None" = None,
+               fraction: float = 1.0) -> "Strategy":
+        """A uniformly random candidate config per share group; with ``base``, each
+        group's config is redrawn with probability ``fraction`` and else kept from
+        ``base`` (a random strategy at a chosen distance from, say, data parallelism)."""
+        if not 0.0 <= fraction <= 1.0:
+            raise StrategyError(f"fraction must lie in [0, 1], got {fraction!r}")
         rng = _random.Random(seed)
         configs = {}
         for members in graph.groups.values():
             op = graph.op(members[0])
-            configs[op.name] = rng.choice(candidate_configs(op, machine))
-        return cls(graph, configs, machine, name=f"random{seed}")
+            drawn = rng.choice(candidate_configs(op, machine))
+            keep = base is not None and rng.random() >= fraction
+            configs[op.name] = base[op.name] if keep else drawn
+        name = f"random{seed}" if base is None else f"random{seed}@{fraction:g}"
+        return cls(graph, configs, machine, name=name)
 
 
 def _constant_fed(graph: OpGraph) -> set[str]:
