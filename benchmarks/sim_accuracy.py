@@ -3,8 +3,9 @@
 For a CNN, a recurrent model, the transformer and a model whose parameters
 dominate (``wide_mlp`` of ``real_speedup.py``), scaled to run here, and eight
 strategies each (data parallel, model parallel, expert, searched and four
-random ones, each op's config redrawn from data parallelism's with probability
-1/8 to 1, kept when the analytic model puts them 10% apart from the others), on 2 gloo processes (one thread each): the
+random ones, kept when the analytic model puts them 10% apart from the others;
+and, reported apart, four "mixed" ones: data parallelism with 1/8 to 1/2 of
+the ops redrawn), on 2 gloo processes (one thread each): the
 iteration time the simulator predicts (machine calibrated with
 ``flexflow profile --comm``, ops profiled on this CPU) against the measured
 time of a training step with the executor.  Reports each case's relative
@@ -28,31 +29,32 @@ RESULTS = os.path.join(HERE, "results")
 
 # model, global batch: sized so that compute dominates Python overheads here
 CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32), ("wide_mlp", 32)]
-ROUNDS = 5
-# The random strategies: draw j (seed j) redraws each op's config with probability
-# RANDOM_FRACTIONS[j % 4] and keeps data parallelism's otherwise (from near data
-# parallelism to uniformly random, as the search's chains wander).  A draw is kept when
-# the analytic model (not the profiled one under test) puts it at least RANDOM_APART away
-# from every strategy kept so far: two strategies that cost the same within the noise of
-# a measurement have no order to predict, and uniform draws alone land in one cluster.
-RANDOM_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
+ROUNDS = 9
+NPROCS = 2
+# The random strategies: uniform draws (``Strategy.random``, seed j), a draw kept when the
+# analytic model (not the profiled one under test) puts it at least RANDOM_APART away from
+# every strategy kept so far: two strategies that cost the same within the noise of a
+# measurement have no order to predict, and at 2 devices uniform draws land in a few
+# clusters.  The *mixed* ones, reported apart: data parallelism with a fraction of the ops
+# redrawn (MIXED_FRACTIONS), as the search's chains wander near it, kept the same way.
 RANDOM_APART = 0.10
 RANDOM_DRAWS = 200
+MIXED_FRACTIONS = (0.125, 0.25, 0.375, 0.5)
 
 
-def distinct_randoms(graph, machine, dp, sim, chosen, count=4):
-    """``count`` random strategies (label -> strategy) apart from ``chosen`` and from each
-    other by RANDOM_APART in ``sim``'s iteration time, and the names of the draws skipped."""
-    import flexflow as ff
+def distinct_randoms(draw, sim, chosen, prefix, count=4):
+    """``count`` strategies ``draw(j)`` (j = 1, 2, ...; label prefix+k -> strategy) apart from
+    ``chosen`` and from each other by RANDOM_APART in ``sim``'s iteration time (the farthest
+    of the rest when too few are), and the names of the draws skipped."""
     def apart(t, times):  # the relative distance to the nearest
         return min(abs(t - u) / min(t, u) for u in times)
     times = [sim.simulate(s, incremental=False).iteration_time for s in chosen]
     kept, skipped = {}, []
     for j in range(1, RANDOM_DRAWS + 1):
-        s = ff.Strategy.random(graph, machine, j, base=dp, fraction=RANDOM_FRACTIONS[j % len(RANDOM_FRACTIONS)])
+        s = draw(j)
         t = sim.simulate(s, incremental=False).iteration_time
         if apart(t, times) > RANDOM_APART:
-            kept[f"random{len(kept) + 1}"] = s
+            kept[f"{prefix}{len(kept) + 1}"] = s
             times.append(t)
             if len(kept) == count:
                 break
@@ -61,10 +63,9 @@ def distinct_randoms(graph, machine, dp, sim, chosen, count=4):
     while len(kept) < count and skipped:  # too few apart: the farthest of the rest
         s, t = max(skipped, key=lambda st: apart(st[1], times))
         skipped.remove((s, t))
-        kept[f"random{len(kept) + 1}"] = s
+        kept[f"{prefix}{len(kept) + 1}"] = s
         times.append(t)
     return kept, [s.name for s, _ in skipped]
-NPROCS = 2
 
 
 def kendall_tau(xs, ys) -> float:
@@ -139,9 +140,16 @@ def main(argv=None) -> int:
             "expert": ff.Strategy.expert(graph, machine),
         }
         analytic_sim = Simulator(graph, machine, CostModel(machine))  # what parallelize() uses unprofiled
-        randoms, skipped = distinct_randoms(graph, machine, dp, analytic_sim, list(strategies.values()))
+        randoms, skipped = distinct_randoms(lambda j: ff.Strategy.random(graph, machine, j), analytic_sim,
+                                            list(strategies.values()), "random")
+        mixed, m_skipped = distinct_randoms(
+            lambda j: ff.Strategy.random(graph, machine, j, base=dp,
+                                         fraction=MIXED_FRACTIONS[(j - 1) % len(MIXED_FRACTIONS)]),
+            analytic_sim, list(strategies.values()) + list(randoms.values()), "mixed")
         strategies.update(randoms)
-        draws[name] = {"kept": {k: s.name for k, s in randoms.items()}, "skipped": skipped}
+        strategies.update(mixed)
+        draws[name] = {"kept": {k: s.name for k, s in {**randoms, **mixed}.items()},
+                       "skipped": len(skipped), "mixed_skipped": len(m_skipped)}
         for label, s in strategies.items():
             profile_graph(graph, "cpu", strategy=s, repeats=3 if a.quick else 5)
         cost = CostModel.for_machine(machine)
@@ -162,9 +170,11 @@ def main(argv=None) -> int:
                          "analytic_error": (analytic[k] - measured[k]) / measured[k],
                          "measured_ms": measured[k] * 1e3, "error": err,
                          "spread_ms": [x * 1e3 for x in got[k]["spread_s"]],
-                         "strategy_json": strategies[k].to_json()})
+                         "mixed": k in mixed, "strategy_json": strategies[k].to_json()})
             print(f"{name:<12} {k:<15} predicted {predicted[k] * 1e3:8.2f} ms  measured "
                   f"{measured[k] * 1e3:8.2f} ms  error {err * 100:+6.1f}%", flush=True)
+    all_rows, rows = rows, [r for r in rows if not r["mixed"]]
+    mixed_rows = [r for r in all_rows if r["mixed"]]
     taus = {}
     for name, _ in CASES:
         sub = [r for r in rows if r["model"] == name]
@@ -178,12 +188,18 @@ def main(argv=None) -> int:
                "within_30pct": sum(e < 0.3 for e in errs), "cases": len(errs), "kendall_tau": taus,
                "analytic": {"median_abs_error": statistics.median(a_errs), "max_abs_error": max(a_errs),
                             "within_30pct": sum(e < 0.3 for e in a_errs), "kendall_tau": a_taus},
+               "mixed": {"median_abs_error": statistics.median(abs(r["error"]) for r in mixed_rows),
+                         "max_abs_error": max(abs(r["error"]) for r in mixed_rows),
+                         "kendall_tau_with_the_rest": {
+                             name: kendall_tau([r["predicted_ms"] for r in all_rows if r["model"] == name],
+                                               [r["measured_ms"] for r in all_rows if r["model"] == name])
+                             for name, _ in CASES}} if mixed_rows else None,
                "calibration": {k: v for k, v in figures.items() if k != "samples"},
                "seconds": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"rows": rows, "summary": summary, "random_draws": draws}, f, indent=1, default=str)
-    _plot(rows, a.out)
+        json.dump({"rows": rows, "mixed_rows": mixed_rows, "summary": summary, "random_draws": draws}, f, indent=1, default=str)
+    _plot(all_rows, a.out)
     cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "") + \
         (f" --rounds {a.rounds}" if a.rounds != ROUNDS and not a.quick else "")
     lines = ["# Simulator against real runs (Figure 11 of the paper, on this machine)", "",
@@ -197,11 +213,13 @@ def main(argv=None) -> int:
              "", "| model (small) | batch | strategy | predicted ms | measured ms (spread) | error "
              "| analytic ms | analytic error |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lo, hi = r["spread_ms"]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['strategy']} | {r['predicted_ms']:.2f} | "
-                     f"{r['measured_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['error'] * 100:+.1f}% | "
-                     f"{r['analytic_ms']:.2f} | {r['analytic_error'] * 100:+.1f}% |")
+    def table_rows(rs):
+        for r in rs:
+            lo, hi = r["spread_ms"]
+            lines.append(f"| {r['model']} | {r['batch']} | {r['strategy']} | {r['predicted_ms']:.2f} | "
+                         f"{r['measured_ms']:.2f} ({lo:.2f}-{hi:.2f}) | {r['error'] * 100:+.1f}% | "
+                         f"{r['analytic_ms']:.2f} | {r['analytic_error'] * 100:+.1f}% |")
+    table_rows(rows)
     lines += ["", f"Median |error| {summary['median_abs_error'] * 100:.1f}% (aim ≤ 15%), largest "
               f"{summary['max_abs_error'] * 100:.1f}% (aim ≤ 35%), {summary['within_30pct']} of "
               f"{summary['cases']} cases within 30%.", "",
@@ -211,7 +229,20 @@ def main(argv=None) -> int:
               f"largest {summary['analytic']['max_abs_error'] * 100:.1f}%, "
               f"{summary['analytic']['within_30pct']} of {summary['cases']} within 30%; Kendall's tau "
               + ", ".join(f"{k} {v:.2f}" for k, v in a_taus.items()) + ".", "",
-              f"![predicted against measured]({os.path.basename(a.out)}.png)", "",
+              f"![predicted against measured]({os.path.basename(a.out)}.png)", ""]
+    if mixed_rows:
+        mx = summary["mixed"]
+        lines += ["## Mixed strategies: data parallelism with some ops redrawn", "",
+                  "Reported apart from the aims above: each op's config redrawn from data parallelism's with "
+                  "probability " + ", ".join(f"{f:g}" for f in MIXED_FRACTIONS) + " (draws kept 10% apart, "
+                  "as the random ones), the neighbourhood the search's chains walk.", "",
+                  "| model (small) | batch | strategy | predicted ms | measured ms (spread) | error "
+                  "| analytic ms | analytic error |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+        table_rows(mixed_rows)
+        lines += ["", f"Median |error| {mx['median_abs_error'] * 100:.1f}%, largest "
+                  f"{mx['max_abs_error'] * 100:.1f}%; Kendall's tau over all 12 strategies: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in mx["kendall_tau_with_the_rest"].items()) + ".", ""]
+    lines += [
               "## What the simulator models on this host", "",
               "- gloo's threads share the 2 cores that compute (`comm_on_cores` in the calibrated machine): a "
               "message holds the devices at both ends for its duration, and so does a gradient all-reduce; "
@@ -228,11 +259,11 @@ def main(argv=None) -> int:
               "- The ranks' speeds jitter, so a step's synchronisation waits for the slowest: the "
               f"fitted sync skew ({figures.get('sync_skew', 0):.2f} of the compute before it) times the "
               "second busiest device's compute adds to the step.",
-              "- The random strategies: draw j redraws each op's config from data parallelism's with "
-              "probability 1/8, 1/4, 1/2 or 1 (j mod 4); a draw is kept when the analytic model puts it 10% "
-              "or more from every strategy kept before it. Skipped draws: "
-              + "; ".join(f"{k} {len(v['skipped'])} ({', '.join(v['kept'].values())} kept)"
-                          for k, v in draws.items()) + ".",
+              "- The random strategies are `Strategy.random` draws (seed j = 1, 2, ...); a draw is kept "
+              "when the analytic model puts it 10% or more from every strategy kept before it (data "
+              "parallel, model parallel, expert, earlier draws). Kept: "
+              + "; ".join(f"{k} {', '.join(v['kept'].values())} ({v['skipped']} random and "
+                          f"{v['mixed_skipped']} mixed draws skipped)" for k, v in draws.items()) + ".",
               "- Kendall's tau counts near ties as fully as clear orderings. Pairs measured within 5% of "
               "each other: " + ("; ".join(f"{k}: " + ", ".join(f"{a}/{b}" for a, b in v)
                                           for k, v in ties.items() if v) or "none") + ".",
@@ -244,7 +275,7 @@ def main(argv=None) -> int:
               "- Op times are profiled one op at a time, by the thread's CPU time (load from other jobs "
               "left out) and without the autograd engine's per-call cost; inside a training step ops whose "
               "data left the cache run slower (the transformer's gelu and dropout 2-3x), so one-process "
-              "predictions sit 10-30% off in either direction per model.",
+              "predictions sit 10-40% off in either direction per model.",
               "- A message costs one fitted figure; where the peer is idle, waiting for it (the layers of "
               "rnnlm pipelined over time steps), it costs less, so rnnlm's model-parallel and random "
               "strategies are predicted up to ~40% slow.",
@@ -262,9 +293,14 @@ def _plot(rows, out) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    for name in dict.fromkeys(r["model"] for r in rows):
-        sub = [r for r in rows if r["model"] == name]
-        ax.scatter([r["measured_ms"] for r in sub], [r["predicted_ms"] for r in sub], label=name)
+    for i, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        color = f"C{i}"
+        sub = [r for r in rows if r["model"] == name and not r.get("mixed")]
+        ax.scatter([r["measured_ms"] for r in sub], [r["predicted_ms"] for r in sub], label=name, color=color)
+        sub = [r for r in rows if r["model"] == name and r.get("mixed")]
+        if sub:  # the mixed strategies (reported apart): hollow
+            ax.scatter([r["measured_ms"] for r in sub], [r["predicted_ms"] for r in sub], facecolors="none",
+                       edgecolors=color, label=f"{name} (mixed)")
     lo = min(min(r["measured_ms"], r["predicted_ms"]) for r in rows) * 0.7
     hi = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.4
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="exact")
