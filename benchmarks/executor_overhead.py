@@ -280,7 +280,10 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
 
 NOTES = """
 **Quiet host.**  Read the ratios as ±10%: under load from other jobs the
-same script moves them by that much.
+same script moves them by that much, and rnnlm's (a 2-3 ms step, half of it
+the gradient all-reduce's latency) by more: over seven runs on one day its
+data-parallel ratio ranged 0.77-1.01, DDP's own throughput 9,500-11,900
+samples/s.
 
 **Two processes, data parallel.**  What the executor does per step: every
 receive posted at the start of the step and waited on at first use, sends
@@ -289,20 +292,30 @@ asynchronously from the backward, and the global loss all-reduced while the
 backward runs (the returned loss waits at its first read): both ride on the
 gradient all-reduce by default.  The ops that
 read only constants (the transformer's position embedding) are replicated,
-so data parallelism exchanges no activation at all.  What is left against
-DDP is mostly that one all-reduce of the loss: DDP returns each rank's local
-loss, flexflow the global one on every rank, and on this host a collective
-costs about as much as a few dozen small ops.  By default the loss rides at
-the end of a gradient bucket and the step has DDP's collectives only; the
-*flexflow eager* column all-reduces it on its own
-(`reduce_outputs="eager"`).
+so data parallelism exchanges no activation at all.  By default the
+global loss rides at the end of a gradient bucket and the step has DDP's
+collectives only; the *flexflow eager* column all-reduces it on its own
+(`reduce_outputs="eager"`), which costs about as much as a few dozen small
+ops on this host.  The collectives and gloo's point-to-point calls go
+straight to the process group (``dist.all_reduce``'s checks cost tens of
+microseconds a call).  What is left against DDP on rnnlm is local CPU
+time, not communication: timed per phase (one step's all-reduce from its
+launch to the end of its wait takes 0.52-0.55 ms in flexflow, 0.58-0.59 ms
+in DDP), flexflow's forward takes 0.08-0.10 ms more (the gradient gate
+that hands a bucket's gradients to the all-reduce, the loss's partial
+mean, the output that rides) and its backward up to the launch 0.05 ms
+more.
 
 **One process.**  Each step of a rank's program is compiled once into a
 function (how every input and parameter is read, the rule's per-partition
 work fixed: index tuples, reshapes, the loss's reduction), an index op that
 reads h or c of an LSTM cell returns the part itself, and a whole LSTM
 weight is held in the module's own shape (no reshape per use): rnnlm's
-one-process overhead went from +26-31% to a few percent.  Convolutions and
+one-process overhead went from +26-31% to a few percent.  An index of a
+partition's region (an unrolled RNN's ``x[:, t]``) runs as one index of the
+held tensor, as the module runs it, not as a slice and then an index (one
+op and one backward node less per time step), and a stack as
+``torch.stack``: rnnlm's one-process overhead went from +5-7.5% to 0-3%.  Convolutions and
 pools along unsplit axes let the kernel pad (no copy of the input).
 """
 
@@ -310,7 +323,7 @@ pools along unsplit axes let the kernel pad (no copy of the input).
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5, help="steps per round")
-    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=36)
     p.add_argument("--quick", action="store_true", help="2 steps x 2 rounds")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "executor_overhead"))
     args = p.parse_args(argv)
