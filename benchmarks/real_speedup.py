@@ -216,7 +216,7 @@ def write_report(rows, command: str, seconds: float, out: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5, help="steps per round")
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--budget", type=float, default=10.0, help="search seconds")
     p.add_argument("--only", help="one model")
     p.add_argument("--quick", action="store_true", help="2 steps x 2 rounds, 2-s search")
