@@ -293,3 +293,19 @@ def test_replicated_placement():
     torch.testing.assert_close(run_graph(g, module, inputs, dp), module(*inputs))
     text = dp.to_json()
     assert Strategy.from_json(text, g)["wpe"] == rep
+
+
+def test_random_near_a_base_redraws_a_fraction_of_the_ops():
+    module, inputs = ff.models.get("rnnlm", batch_size=4, size="small")
+    g = ff.trace(module, inputs)
+    dp = Strategy.data_parallel(g, P100_4)
+    heads = [g.op(m[0]).name for m in g.groups.values()]
+    assert all(Strategy.random(g, P100_4, 3, base=dp, fraction=0.0)[n] == dp[n] for n in heads)
+    half = Strategy.random(g, P100_4, 3, base=dp, fraction=0.5)
+    moved = sum(half[n] != dp[n] for n in heads)
+    assert 0 < moved < len(heads)
+    again = Strategy.random(g, P100_4, 3, base=dp, fraction=0.5)
+    assert all(again[n] == half[n] for n in heads)  # the seed fixes the draw
+    assert half.name == "random3@0.5"
+    with pytest.raises(StrategyError, match="fraction"):
+        Strategy.random(g, P100_4, 3, base=dp, fraction=1.5)
