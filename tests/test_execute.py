@@ -222,7 +222,7 @@ def test_single_process_errors():
 def test_an_index_of_a_region_is_one_index_of_the_held_tensor():
     """x[:, t] of a partition's region runs as the module's own index: the region
     and the index composed, not a slice and then an index (one op, one backward
-    node, as nn.LSTM-style unrolling does per time step)."""
+    node per time step of an unrolled nn.LSTMCell loop)."""
     from flexflow.ops import RULES
     from flexflow.ops.catalog import index_attrs
     from flexflow.ir import Op
