@@ -996,7 +996,9 @@ class _GateFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt: Runtime, gate: _Gate, token, *params):
         ctx.rt, ctx.gate = rt, gate
-        return (token.clone(), *params)
+        # new tensors on the parameters' storage: cheaper for autograd than handing
+        # the inputs back as they are (which it turns into views of them, one by one)
+        return (token.clone(), *[p.detach() for p in params])
 
     @staticmethod
     def backward(ctx, g_token, *grads):
