@@ -276,8 +276,11 @@ def main(argv=None) -> int:
               "left out) and without the autograd engine's per-call cost; inside a training step ops whose "
               "data left the cache run slower (the transformer's gelu and dropout 2-3x), so one-process "
               "predictions sit 10-40% off in either direction per model.",
-              "- A message costs one fitted figure; where the peer is idle, waiting for it (the layers of "
-              "rnnlm pipelined over time steps), it costs less, so rnnlm's model-parallel and random "
+              "- A message holds both ends' cores for one fitted figure, and the messages between two "
+              "devices go one at a time. The executor posts the messages a producer sends to several "
+              "consumers at once (rnnlm's per-step slices of the embedding under model parallelism), and "
+              "their latencies overlap (`benchmarks/timeline_compare.py --model rnnlm --strategy "
+              "model_parallel` shows the simulated ones in a row), so rnnlm's model-parallel and random "
               "strategies are predicted up to ~40% slow.",
               "- The fitted figures move between calibrations (a message 124-250 us, an all-reduce step "
               "557-1200 us over a dozen calibrations; the micro-benchmarks alone moved 3x); each run of this "
