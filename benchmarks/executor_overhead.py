@@ -281,7 +281,7 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
 NOTES = """
 **Quiet host.**  Read the ratios as ±10%: under load from other jobs the
 same script moves them by that much, and rnnlm's (a 2-3 ms step, half of it
-the gradient all-reduce's latency) by more: over seven runs on one day its
+the gradient all-reduce's latency) by more: over eight runs on one day its
 data-parallel ratio ranged 0.77-1.01, DDP's own throughput 9,500-11,900
 samples/s.
 
