@@ -727,7 +727,7 @@ class Runtime:
             if tuple(x.shape) != tuple(op.output_shape):
                 raise ExecutorError(f"input {op.name!r} has shape {tuple(x.shape)} but the model was traced "
                                     f"(example_inputs) with {tuple(op.output_shape)}; the graph has fixed shapes")
-            vals[op.name] = x.to(self.device)
+            vals[op.name] = x if x.device == self.device else x.to(self.device)
         pvals: dict[str, torch.Tensor] = dict(self.params)
         pvals.update(self.buffers)
         if grad and self.sync.armed:  # a previous backward failed before its end
