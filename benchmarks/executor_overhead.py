@@ -299,12 +299,10 @@ collectives only; the *flexflow eager* column all-reduces it on its own
 ops on this host.  The collectives and gloo's point-to-point calls go
 straight to the process group (``dist.all_reduce``'s checks cost tens of
 microseconds a call).  What is left against DDP on rnnlm is local CPU
-time, not communication: timed per phase (one step's all-reduce from its
-launch to the end of its wait takes 0.52-0.55 ms in flexflow, 0.58-0.59 ms
-in DDP), flexflow's forward takes 0.08-0.10 ms more (the gradient gate
-that hands a bucket's gradients to the all-reduce, the loss's partial
-mean, the output that rides) and its backward up to the launch 0.05 ms
-more.
+time, not communication (`benchmarks/dp_phases.py` times each phase: the
+all-reduce takes no longer in flexflow, its forward 0.1 ms more, for the
+gradient gate that hands a bucket's gradients to the all-reduce and the
+output that rides, and its backward up to the launch 0.05 ms more).
 
 **One process.**  Each step of a rank's program is compiled once into a
 function (how every input and parameter is read, the rule's per-partition
