@@ -28,7 +28,6 @@ so read DDP's total here as a little slow; ``dp_steps.py`` and
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -40,11 +39,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import flexflow as ff  # noqa: E402
 from flexflow.api import launch, parallelize  # noqa: E402
-from flexflow.machine import Machine  # noqa: E402
-from flexflow.strategy import Strategy  # noqa: E402
 
 CASES = [("rnnlm", 32), ("transformer", 32), ("alexnet", 64)]
 PHASES = ["forward", "backward to launch", "all-reduce", "rest of backward", "SGD step + loss read", "step"]
@@ -69,11 +66,8 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import flexflow.execute as E
-    torch.set_num_threads(1)
-    module, inputs = ff.models.get(name, batch_size=batch, size="small")
-    graph = ff.trace(module, inputs)
-    strategy = Strategy.data_parallel(graph, Machine.preset("cpu", devices=2))
-    lo, hi = rank * batch // 2, (rank + 1) * batch // 2
+    from dp_steps import dp_setup
+    module, inputs, strategy, half = dp_setup(rank, name, batch)
     marks: dict = {}
 
     def hook(state, bucket):  # DDP's own all-reduce, its launch and completion marked
@@ -101,7 +95,7 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
     E._all_reduce, E.Runtime.wait = all_reduce, wait
     _timed(E._GateFn, "apply", inner, "gradient gate")
     _timed(E._OutputFn, "apply", inner, "outputs")
-    runs = {"ddp": (ddp, tuple(x[lo:hi] for x in inputs)), "flexflow": (model, inputs)}
+    runs = {"ddp": (ddp, half), "flexflow": (model, inputs)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, (m, _) in runs.items()}
     rows = {k: [] for k in runs}
     inner_sum, counted = {}, 0
@@ -134,13 +128,8 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=12)
-    p.add_argument("--steps", type=int, default=20, help="steps per block")
-    p.add_argument("--quick", action="store_true", help="2 blocks of 5 steps, rnnlm only")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dp_phases"))
-    a = p.parse_args(argv)
-    blocks, steps = (2, 5) if a.quick else (a.blocks, a.steps)
+    from dp_steps import block_args
+    a, blocks, steps = block_args(argv, __doc__, "dp_phases", "2 blocks of 5 steps, rnnlm only")
     cases = CASES[:1] if a.quick else CASES
     t0 = time.perf_counter()
     results = {}

@@ -38,14 +38,21 @@ from flexflow.strategy import Strategy  # noqa: E402
 CASES = [("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
 
 
-def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def dp_setup(rank: int, name: str, batch: int):
+    """In a rank of 2 (one thread): the zoo model (small), its global inputs, data
+    parallelism on 2 cpu devices, and this rank's half of the inputs (what DDP takes)."""
     torch.set_num_threads(1)
     module, inputs = ff.models.get(name, batch_size=batch, size="small")
     graph = ff.trace(module, inputs)
     strategy = Strategy.data_parallel(graph, Machine.preset("cpu", devices=2))
     lo, hi = rank * batch // 2, (rank + 1) * batch // 2
-    runs = {"ddp": (DDP(copy.deepcopy(module)), tuple(x[lo:hi] for x in inputs)),
+    return module, inputs, strategy, tuple(x[lo:hi] for x in inputs)
+
+
+def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    module, inputs, strategy, half = dp_setup(rank, name, batch)
+    runs = {"ddp": (DDP(copy.deepcopy(module)), half),
             "flexflow": (parallelize(module, example_inputs=inputs, strategy=strategy), inputs),
             "flexflow_eager": (parallelize(module, example_inputs=inputs, strategy=strategy,
                                            reduce_outputs="eager"), inputs)}
@@ -84,14 +91,19 @@ def _stats(v: list) -> dict:
             "steps": len(v)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def block_args(argv, doc: str, name: str, quick_help: str = "2 blocks of 5 steps"):
+    """The command line of a benchmark that alternates blocks of steps: (args, blocks, steps)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--steps", type=int, default=20, help="steps per block")
-    p.add_argument("--quick", action="store_true", help="2 blocks of 5 steps")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dp_steps"))
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / name))
     a = p.parse_args(argv)
-    blocks, steps = (2, 5) if a.quick else (a.blocks, a.steps)
+    return (a, 2, 5) if a.quick else (a, a.blocks, a.steps)
+
+
+def main(argv=None) -> int:
+    a, blocks, steps = block_args(argv, __doc__, "dp_steps")
     rows = []
     for name, batch in CASES:
         res = launch(_worker, 2, name, batch, blocks, steps, timeout_s=900)
