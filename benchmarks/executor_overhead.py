@@ -192,11 +192,18 @@ def one_process(steps: int, rounds: int) -> list[dict]:
                      "overhead_pct": 100 * (f_s / p_s - 1), "plain_step_ms": p_s * 1000,
                      "flexflow_step_ms": f_s * 1000,
                      "min_step_ms": {k: round(min(v) * 1000, 3) for k, v in per.items()},
+                     "p10_p90_step_ms": {k: [round(_quantile(v, q) * 1000, 3) for q in (0.1, 0.9)]
+                                         for k, v in per.items()},
                      "executor_loop_ms": _loop_ms(runs["flexflow"], steps),
                      "top_ops_ms": _top_ops(ffm, plain, inputs)})
         print(f"1 proc  {name:12s} plain {batch / p_s:8.1f} samples/s  flexflow {batch / f_s:8.1f} "
               f"samples/s  overhead {100 * (f_s / p_s - 1):+.1f}%", flush=True)
     return rows
+
+
+def _quantile(v: list, q: float) -> float:
+    s = sorted(v)
+    return s[int(q * (len(s) - 1))]
 
 
 def _loop_ms(trainer, steps: int) -> float:
@@ -255,6 +262,15 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
                      f"{r['ddp_global_loss_samples_per_s']:.1f} | {r['flexflow_samples_per_s']:.1f} | "
                      f"{r['flexflow_eager_samples_per_s']:.1f} | "
                      f"{r['ratio']:.2f} | {r['ratio_vs_ddp_global_loss']:.2f} | {r['ratio_eager']:.2f} |")
+    lines += ["", "The spread: step time per round, median (fastest-slowest round), ms (a round ends "
+              "when the slower rank does):", "",
+              "| model | DDP | DDP+global loss | flexflow | flexflow eager |", "| --- | --- | --- | --- | --- |"]
+    for r in two:
+        cells = []
+        for k in ("ddp", "ddp_global_loss", "flexflow", "flexflow_eager"):
+            v = r["rounds_ms"][k]
+            cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})")
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     lines += ["", "Where a flexflow step goes on rank 0 (ms per step, cProfile):", ""]
     for r in two:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["profile_rank0_ms_per_step"].items())
@@ -263,12 +279,17 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
         "",
         "## One process: flexflow against the plain module",
         "",
-        "| model | batch | plain samples/s | flexflow samples/s | overhead |",
-        "| --- | --- | --- | --- | --- |",
+        "Single steps alternate between the two; the spread is the 10th-90th percentile of the steps.",
+        "",
+        "| model | batch | plain samples/s | flexflow samples/s | overhead | plain step ms (p10-p90) "
+        "| flexflow step ms (p10-p90) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in one:
+        (pa, pb), (fa, fb) = r["p10_p90_step_ms"]["plain"], r["p10_p90_step_ms"]["flexflow"]
         lines.append(f"| {r['model']} ({r['size']}) | {r['batch']} | {r['plain_samples_per_s']:.1f} | "
-                     f"{r['flexflow_samples_per_s']:.1f} | {r['overhead_pct']:+.1f}% |")
+                     f"{r['flexflow_samples_per_s']:.1f} | {r['overhead_pct']:+.1f}% | "
+                     f"{r['plain_step_ms']:.3f} ({pa:.3f}-{pb:.3f}) | {r['flexflow_step_ms']:.3f} ({fa:.3f}-{fb:.3f}) |")
     lines += ["", "Executor loop self time, and the aten ops whose self CPU time differs most "
               "(flexflow minus plain), ms per step:", ""]
     for r in one:
@@ -281,7 +302,7 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
 NOTES = """
 **Quiet host.**  Read the ratios as ±10%: under load from other jobs the
 same script moves them by that much, and rnnlm's (a 2-3 ms step, half of it
-the gradient all-reduce's latency) by more: over eight runs on one day its
+the gradient all-reduce's latency) by more: over nine runs on one day its
 data-parallel ratio ranged 0.77-1.01, DDP's own throughput 9,500-11,900
 samples/s.
 
