@@ -67,6 +67,7 @@ from __future__ import annotations
 import datetime
 import math
 import operator
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -541,9 +542,11 @@ class Runtime:
         """Process groups, created by every rank in the same order."""
         self.groups: dict[tuple, object] = {}
         self.p2p_group = self.coll_group = self.ride_group = None
+        self.batch_threads: list[int] = []  # gloo loop threads moved to SCHED_BATCH
         if not self.distributed or self.world == 1:
             return
         every = list(range(self.world))
+        before = _threads()
         self.p2p_group = dist.new_group(every, timeout=self.timeout)
         self.coll_group = dist.new_group(every, timeout=self.timeout)
         if self.ride is not None:  # the ride bucket and its repairs only (see _GradSync)
@@ -562,6 +565,8 @@ class Runtime:
         for group in (self.p2p_group, self.coll_group, self.ride_group):
             if group is not None:
                 dist.all_reduce(flag, group=group)
+        if not self.nccl:
+            self.batch_threads = batch_gloo_loops(_threads() - before)
 
     # -- communication ------------------------------------------------------
     def p2p(self, ops) -> list:
@@ -1040,6 +1045,47 @@ class _OutputFn(torch.autograd.Function):
         if out.region is not None and g is not None:
             gx = g[out.region]
         return None, None, torch.zeros((), device=ctx.rt.device), gx
+
+
+GLOO_LOOP_THREAD = "gloo_tcp_loop"  # the name gloo's TCP transport gives its event-loop threads
+
+
+def _threads() -> set:
+    """This process's thread ids (Linux; empty elsewhere)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def batch_gloo_loops(tids) -> list:
+    """Move gloo's TCP event-loop threads among ``tids`` to ``SCHED_BATCH``; returns the
+    thread ids moved.
+
+    A loop thread woken by a socket event preempts the thread that is running on its
+    core.  When that is this rank's main thread inside a send, holding the pair's lock,
+    the loop thread fails its ``try_lock``, returns to ``epoll_wait``, which reports the
+    same event again, and spins so for the rest of its time slice: the send comes back
+    milliseconds late.  Where ranks share cores (2 ranks on 2 cores: one main thread and
+    several loop threads each) one send in ten did so, and message-heavy strategies ran
+    2-3x slower than their compute and messages add up to.  Under ``SCHED_BATCH`` a
+    woken thread does not preempt; it runs on an idle core, when the running thread
+    blocks (a rank waiting for its data does) or at the next tick.  Only the threads of
+    the groups this runtime creates are moved; ``FLEXFLOW_GLOO_LOOP=normal`` leaves
+    them alone."""
+    if os.environ.get("FLEXFLOW_GLOO_LOOP", "batch") != "batch" or not hasattr(os, "SCHED_BATCH"):
+        return []
+    moved = []
+    for tid in sorted(tids):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != GLOO_LOOP_THREAD:
+                    continue
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            moved.append(tid)
+        except OSError:  # gone, or not permitted: leave it as it is
+            continue
+    return moved
 
 
 def _all_reduce(t: torch.Tensor, group):

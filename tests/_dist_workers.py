@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import time
 
@@ -246,6 +247,13 @@ def suite(rank: int, cases, with_refusals: bool = False):
     return out
 
 
+def _policy(tid: int):
+    try:
+        return os.sched_getscheduler(tid)
+    except OSError:
+        return None
+
+
 def equivalence(rank: int, cases):
     """cases: (model, batch, mode, [strategy specs], check_state_dict).  Every rank
     trains 3 SGD steps with each strategy; rank 0 also trains the plain module and
@@ -277,6 +285,8 @@ def equivalence(rank: int, cases):
             model = parallelize(module, devices, example_inputs=example, strategy=strategy,
                                 bucket_cap_mb=1e-4 if tiny else 25.0,
                                 reduce_outputs="eager" if "eager" in flags else "with_gradients")
+            loops = model.runtime.batch_threads  # gloo's loop threads of its groups, under SCHED_BATCH
+            loops_batch = [_policy(t) == getattr(os, "SCHED_BATCH", None) for t in loops]
             early = "early" in flags or f"early{rank}" in flags
             losses = _train(model, module, batch, early=early)
             if early:  # the loss read before and after the backward: the same value
@@ -289,7 +299,8 @@ def equivalence(rank: int, cases):
                 raise AssertionError(f"{name} {spec}: data parallelism found no gradient bucket to carry the outputs")
             state = model.state_dict()
             rec = {"model": name, "spec": spec, "mode": mode, "losses": losses,
-                   "exchanges": model.runtime.num_exchanges, "comm_bytes": model.runtime.comm_bytes}
+                   "exchanges": model.runtime.num_exchanges, "comm_bytes": model.runtime.comm_bytes,
+                   "loop_threads": loops_batch}
             if rank == 0:
                 rec["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
                 errs = {k: _rel_err(state[k], ref_state[k]) for k in ref_state}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 import time
 
 import pytest
@@ -122,6 +123,17 @@ def test_equivalence_2_ranks(results_2, model, mode):
         assert any(r["exchanges"] > 0 for r in recs), "no strategy moved activations between ranks"
     if model in ("transformer", "handmse"):  # position embedding replicated, as DDP has it; the mean split
         assert next(r for r in recs if r["spec"] == "data_parallel")["exchanges"] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread policies are Linux's")
+def test_gloo_loop_threads_of_the_runtime_do_not_preempt(results_2):
+    """The event-loop threads of the groups a runtime creates run under SCHED_BATCH
+    (``execute.batch_gloo_loops``): every 2-rank case found some and moved them all."""
+    for rank, recs in enumerate(results_2):
+        for rec in recs:
+            where = f"rank {rank}, {rec['model']} {rec['spec']}"
+            assert rec["loop_threads"], f"{where}: no gloo loop thread of the runtime's groups found"
+            assert all(rec["loop_threads"]), f"{where}: loop threads not under SCHED_BATCH: {rec['loop_threads']}"
 
 
 @pytest.mark.parametrize("model,mode", [(c[0], c[2]) for c in CASES_4], ids=_ids(CASES_4))
