@@ -147,7 +147,9 @@ def _calibration_text(res: dict) -> str:
              f"{res['mem_bw_Bps'] / 1e9:.1f} GB/s copy, {us(res['launch_overhead_s'])} per eager op",
              # the bandwidth is the ping-pong's, or the fitted message's when there is a fit
              f"  idle ping-pong: {us(res['latency_s'])}" + ("" if fitted else bw),
-             f"  a message between compute: {us(res['exchange_s'])}" + (bw if fitted else ""),
+             f"  a message between compute: {us(res['exchange_s'])}" + (bw if fitted else "")
+             + (f" ({us(res['message_lag_s'])} of it on no core: overlapped by messages in flight together)"
+                if res.get("message_lag_s") else ""),
              f"  all-reduce: {us(res['allreduce_latency_s'])} per ring step, "
              f"{res['allreduce_bandwidth_Bps'] / 1e9:.2f} GB/s",
              f"  sync skew: {res['sync_skew']:.2f} of the compute before a synchronisation"]

@@ -82,7 +82,10 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup, fit=False):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    from .execute import _threads, batch_gloo_loops
+    before = _threads()
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=nprocs)
+    batch_gloo_loops(_threads() - before)  # as the executor's groups run (execute.batch_gloo_loops)
     try:
         out = {"p2p": [], "allreduce": []}
         for size in sizes:  # ping-pong between ranks 0 and 1: one-way time = round trip / 2
@@ -315,7 +318,9 @@ def cpu_machine_from_figures(figures: dict, devices: int | None = None):
     out_sync = figures.get("output_sync_s")
     spec = dataclasses.replace(spec, comm_on_cores=on_cores,
                                sync_skew=float(figures.get("sync_skew") or 0.0) if on_cores else 0.0,
-                               output_sync_s=float(out_sync) if on_cores and out_sync is not None else None)
+                               output_sync_s=float(out_sync) if on_cores and out_sync is not None else None,
+                               message_lag_s=min(float(figures.get("message_lag_s") or 0.0), latency)
+                               if on_cores else 0.0)
     link = LinkSpec(float(figures["bandwidth_Bps"]), latency, "loopback", **ar)
     machine = dataclasses.replace(base, spec=spec, intra_node=link)
     if devices is not None:

@@ -15,13 +15,12 @@ predicts those steps:
 - ``alternate``: layer ``i`` whole on rank ``i % 2``: an activation and a gradient
   message at every layer boundary, all on the critical path, the receiving peer idle;
 - ``split``: every layer split by output features over ranks 0 and 1: both ranks busy,
-  swapping halves at every layer.  Measured and reported, not fitted: a message to a
-  busy peer costs more (about 270 us against 165 us to an idle one for 4-8 KB), and
-  many messages in flight at once (rnnlm's pipelined cells) cost less each.  The
-  simulator has one latency; fitted to ``alternate`` it predicted this project's
-  benchmark tables with a smaller largest error than fitted to both (35-37% against
-  42-71% on the same four recorded runs), so the link latency (``exchange_s``) comes
-  from the small alternating chain's messages, the link bandwidth from the large one's;
+  swapping halves at every layer, the two messages of a swap in flight together.  A
+  message's latency is partly the cores' work (posting, the loopback's copy, the
+  Python around it) and partly time that holds no core (the peer's wake-up): messages
+  in flight together overlap that part.  The small alternating chain fixes the whole
+  latency (``exchange_s``), the small split chain the part that holds no core
+  (``message_lag_s``), the large alternating chain the bandwidth;
 - ``data_parallel`` -> the all-reduce latency per ring step and the sync skew (what a
   synchronisation costs per second of compute before it, from the ranks' jitter).
 
@@ -51,6 +50,7 @@ __all__ = ["CalibrationChain", "CASES", "measure_steps", "timed_rounds", "fit_fi
 CASES = ((64, 32), (256, 512))
 LAYERS = 8
 MESSAGES = ("alternate",)  # the strategies the message latency and bandwidth are fitted to
+LAGGED = ("split",)  # ... and the part of the latency that holds no core
 _LAT_RANGE = (5e-6, 5e-3)
 _BW_RANGE = (1e7, 1e11)
 _AR_RANGE = (0.0, 5e-3)
@@ -147,10 +147,11 @@ def timed_rounds(runs: dict, inputs, rounds: int, steps: int, warmup: int) -> di
 
 
 def _machine(base, latency_s: float, ar_latency_s: float, skew: float, bandwidth_Bps: float | None = None,
-             output_sync_s: float | None = None):
+             output_sync_s: float | None = None, lag_s: float = 0.0):
     link = dataclasses.replace(base.intra_node, latency_s=latency_s, allreduce_latency_s=ar_latency_s,
                                bandwidth_Bps=bandwidth_Bps or base.intra_node.bandwidth_Bps)
-    spec = dataclasses.replace(base.spec, sync_skew=skew, output_sync_s=output_sync_s)
+    spec = dataclasses.replace(base.spec, sync_skew=skew, output_sync_s=output_sync_s,
+                               message_lag_s=min(lag_s, latency_s))
     return dataclasses.replace(base, intra_node=link, spec=spec)
 
 
@@ -176,7 +177,8 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
     ``base``: the cpu Machine built from the micro-benchmarks (``comm_on_cores`` set),
     with ``nprocs`` devices; ``samples``: :func:`measure_steps` of rank 0.  Profiles the
     chains' ops on this CPU first (``profile``).  Returns ``exchange_s`` (a message's
-    latency), ``bandwidth_Bps`` (a message's bandwidth), ``allreduce_latency_s``,
+    latency), ``message_lag_s`` (the part of it that holds no core), ``bandwidth_Bps``
+    (a message's bandwidth), ``allreduce_latency_s``,
     ``sync_skew``, ``output_sync_s`` and ``fit`` (measured and predicted ms per case, the relative errors)."""
     from .cost import CostModel
     from .profile import profile_graph
@@ -200,8 +202,8 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
 
     cost = CostModel.for_machine(base)  # op times: the same for every figure tried below
 
-    def predict(lat, ar, skew, labels, bw=None, cases=None, out=None):
-        m = _machine(base, lat, ar, skew, bw, out)
+    def predict(lat, ar, skew, labels, bw=None, cases=None, out=None, lag=None):
+        m = _machine(base, lat, ar, skew, bw, out, lag_s if lag is None else lag)
         out = {}
         for case, graph in graphs.items():
             if cases is not None and case not in cases:
@@ -212,23 +214,29 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
                     out[(case, label)] = sim.simulate(s, incremental=False).iteration_time
         return out
 
-    def log_err(case, **kw):  # the message-bound chains of one case: sum of log(predicted / measured)
-        p = predict(kw.get("lat", lat), ar, skew, MESSAGES, kw.get("bw", bw), {case}, out)
-        return sum(math.log(p[(case, k)] / measured[case][k]) for k in MESSAGES)
+    def log_err(case, labels=MESSAGES, **kw):  # the chains ``labels`` of one case: sum of log(predicted / measured)
+        p = predict(kw.get("lat", lat), ar, skew, labels, kw.get("bw", bw), {case}, out, kw.get("lag"))
+        return sum(math.log(p[(case, k)] / measured[case][k]) for k in labels)
 
     small, large = (f"{w}x{b}" for w, b in CASES)
     lat, bw = base.intra_node.latency_s, base.intra_node.bandwidth_Bps
     ar = base.intra_node.allreduce_latency_s or 0.0
     skew = base.spec.sync_skew
     out = base.allreduce_latency_s(range(base.num_devices))  # the outputs' all-reduce, as uncalibrated
+    lag_s = 0.0
     for _ in range(3):
         # messages: the latency from the small chain's messages (8 KB), the bandwidth from
-        # the large one's (512 KB); each moves its own case most, so a few rounds settle
-        for _ in range(20):  # until neither moves by more than 0.1%
-            lat0, bw0 = lat, bw
+        # the large one's (512 KB), the part of the latency that holds no core from the small
+        # split chain (two messages in flight at once: the more of the latency holds no core,
+        # the more they overlap); each moves its own case most, so a few rounds settle
+        for _ in range(20):  # until none moves by more than 0.1%
+            lat0, bw0, lag0 = lat, bw, lag_s
             lat = _bisect(lambda x: log_err(small, lat=x), *_LAT_RANGE)
             bw = _bisect(lambda x: -log_err(large, bw=x), *_BW_RANGE)
-            if abs(lat / lat0 - 1) < 1e-3 and abs(bw / bw0 - 1) < 1e-3:
+            lag_s = _bisect(lambda x: -log_err(small, LAGGED, lag=x), _LAT_RANGE[0] * 1e-3, lat)
+            if lag_s <= _LAT_RANGE[0]:  # (the bisection's lower bound: none of it overlaps)
+                lag_s = 0.0
+            if abs(lat / lat0 - 1) < 1e-3 and abs(bw / bw0 - 1) < 1e-3 and abs(lag_s - lag0) <= 1e-3 * lat:
                 break
         # returning the loss to every rank: adds after the task graph; the small single-device
         # chain has nothing else to synchronise and little compute to mispredict (the large
@@ -246,7 +254,8 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
             rhs.append(measured[w]["data_parallel"] - p0[k])
         ar, skew = _solve2(rows, rhs)
     pred = predict(lat, ar, skew, {"single", "alternate", "split", "data_parallel"}, bw, out=out)
-    return {"exchange_s": lat, "bandwidth_Bps": bw, "allreduce_latency_s": ar, "sync_skew": skew,
+    return {"exchange_s": lat, "message_lag_s": lag_s, "bandwidth_Bps": bw, "allreduce_latency_s": ar,
+            "sync_skew": skew,
             "output_sync_s": out,
             "fit": {"measured_ms": {f"{lbl}@{w}": round(measured[w][lbl] * 1e3, 4) for w in graphs for lbl in measured[w]},
                     "predicted_ms": {f"{lbl}@{w}": round(pred[(w, lbl)] * 1e3, 4) for (w, lbl) in pred},

@@ -48,6 +48,11 @@ class DeviceSpec:
     # after the forward and waited at the first read, so much of it hides behind the
     # backward); None: one all-reduce latency among all devices
     output_sync_s: float | None = None
+    # Where communication runs on the computing cores: of a message's latency, the part
+    # that holds no core (the wire and the peer's wake-up).  The rest holds both ends'
+    # devices; the consumer starts this long after; messages posted together overlap it
+    # (calibrated; 0: the whole latency holds the devices)
+    message_lag_s: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -142,8 +147,8 @@ def cpu_machine_file() -> Path:
 
 
 def _spec_dict(spec: DeviceSpec) -> dict:
-    """A device spec as JSON; ``comm_on_cores``, ``sync_skew`` and ``output_sync_s`` only when set (descriptions
-    without them, and their fingerprints, stay as they were)."""
+    """A device spec as JSON; ``comm_on_cores``, ``sync_skew``, ``output_sync_s`` and ``message_lag_s`` only
+    when set (descriptions without them, and their fingerprints, stay as they were)."""
     d = dataclasses.asdict(spec)
     if not d["comm_on_cores"]:
         del d["comm_on_cores"]
@@ -151,6 +156,8 @@ def _spec_dict(spec: DeviceSpec) -> dict:
         del d["sync_skew"]
     if d["output_sync_s"] is None:
         del d["output_sync_s"]
+    if not d["message_lag_s"]:
+        del d["message_lag_s"]
     return d
 
 
@@ -197,13 +204,16 @@ def _calibrate_once() -> None:
 
 # what a calibration must have measured to be used as it is (older files lack the cost of a
 # message between compute, the all-reduce figures and the sync skew): detect() calibrates again
-_CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew")
+_CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew", "message_lag_s")
 # version 3: on a host whose messages share the computing cores, those three figures (and
 # the cost of returning the outputs) are
 # fitted to the executor's steps (flexflow.hostfit); older files are measured again.
 # version 4: the calibration chain's loss (an MSE) splits with the samples, so its data-parallel
 # steps exchange nothing and return the loss on the gradients' all-reduce, as the executor now does
-CALIBRATION_VERSION = 4
+# version 5: the executor's gloo loop threads run under SCHED_BATCH (execute.batch_gloo_loops), and
+# a message between busy ranks no longer costs a scheduler slice now and then; the part of a
+# message's latency that holds no core is fitted (message_lag_s)
+CALIBRATION_VERSION = 5
 
 
 def _calibration_current(path: Path) -> bool:
@@ -424,7 +434,8 @@ class Machine:
                     {"num_devices", "inter_node", "comment", "measured"})
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
-                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s"})
+                    {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s",
+                     "message_lag_s"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -443,7 +454,8 @@ class Machine:
                           _bool(dev, "comm_on_cores", "device."),
                           _num(dev, "sync_skew", "device.", zero_ok=True, default=0.0),
                           None if dev.get("output_sync_s") is None
-                          else _num(dev, "output_sync_s", "device.", zero_ok=True))
+                          else _num(dev, "output_sync_s", "device.", zero_ok=True),
+                          _num(dev, "message_lag_s", "device.", zero_ok=True, default=0.0))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
@@ -505,6 +517,9 @@ class Machine:
                          f"(the ranks' speeds jitter)")
         if s.output_sync_s is not None:
             lines.append(f"  returning the outputs to every rank adds {s.output_sync_s * 1e6:g} us to a step")
+        if s.comm_on_cores and s.message_lag_s:
+            lines.append(f"  of a message's latency, {s.message_lag_s * 1e6:g} us hold no core (messages posted "
+                         f"together overlap it)")
         return "\n".join(lines)
 
 

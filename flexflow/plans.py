@@ -69,6 +69,11 @@ class Context:
         self.optimizer, self.sync = optimizer, sync
         self.optimizer_copies = optimizer_state_copies(optimizer)
         self.comm_on_cores = bool(machine.spec.comm_on_cores)
+        # a message's latency that holds no core (comm_on_cores): the transfer task holds its
+        # devices for the rest, and its consumer starts this much after it (schedcore's LAG)
+        lag = float(machine.spec.message_lag_s) if self.comm_on_cores else 0.0
+        self.xfer_lag_s = lag if lag > 0 else 0.0
+        self.xfer_lag_ps = _ps(lag) if lag > 0 else 0
         ops = self.ops = graph.ops
         n = len(ops)
         if n >= 1 << _AB:
@@ -241,8 +246,9 @@ class Context:
 
     def _transfer_tables(self):
         """Per (src, dst) device pair: route (single resource or -1; resource tuple or None;
-        resources padded with -1), latency sum and slowest bandwidth -- what ``route`` and
-        ``transfer_ps`` give, as arrays for a whole transfer plan at once."""
+        resources padded with -1), the latency the transfer task holds (the links' sum less
+        ``xfer_lag_s``, at least 0) and slowest bandwidth -- as arrays for a whole transfer
+        plan at once."""
         if self._xtab is None:
             D, m = self.D, self.machine
             lat, bw = np.zeros((D, D)), np.ones((D, D))
@@ -254,6 +260,7 @@ class Context:
                     if a == b:
                         continue
                     lat[a, b], bw[a, b] = m.route_figures(a, b)  # what Machine.transfer_time_s uses
+                    lat[a, b] = max(lat[a, b] - self.xfer_lag_s, 0.0)
                     r1[a, b], rm[a, b] = routes[a, b] = self.route(a, b)
             width = max((len(x[1] or (x[0],)) for x in routes.values()), default=1)
             pad = np.full((D, D, width), -1, np.int64)
@@ -264,7 +271,7 @@ class Context:
         return self._xtab
 
     def _transfer_ps_array(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-        """``transfer_ps`` elementwise (the same float operations, so the same integers)."""
+        """A transfer task's picoseconds: the held latency plus the bytes at the route's bandwidth."""
         lat, bw = self._transfer_tables()[:2]
         return np.maximum(1, np.rint((lat[a, b] + nbytes / bw[a, b]) * PS)).astype(np.int64)
 

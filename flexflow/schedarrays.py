@@ -8,9 +8,9 @@ from itertools import chain
 
 import numpy as np
 
-from .schedcore import (ALIVE, DUR, FIN, NO_LIMIT, PLEN, POFF, PRIO, QINIT, RES1, RLEN, ROFF, SLEN, SOFF,
+from .schedcore import (ALIVE, DUR, FIN, LAG, NO_LIMIT, PLEN, POFF, PRIO, QINIT, RES1, RLEN, ROFF, SLEN, SOFF,
                         _I8, _run_delta, _run_full, _succ_edits, _succ_from_pred)
-from .taskkeys import TID_BITS
+from .taskkeys import TID_BITS, XB, XF, kind_of
 
 __all__ = ["TaskArrays"]
 
@@ -79,8 +79,9 @@ class TaskArrays:
     """numpy mirror of a task graph's lists, plus the schedule state the kernels fill: each
     task's ready and finish time, the dequeue log, and when each resource is next free."""
 
-    def __init__(self, R: int):
+    def __init__(self, R: int, xfer_lag: int = 0):
         self.R = R
+        self.xfer_lag = int(xfer_lag)  # picoseconds after a transfer before its consumer may start
         self.cap = 0
         self.n = 0
         self.H = self.C = self.LOG = self.LOGR = self.HEAP = self.SUF = None
@@ -131,11 +132,19 @@ class TaskArrays:
         H[:n, RES1] = tg.RES1
         H[:n, PRIO] = [k >> TID_BITS for k in tg.KP]
         C[:n, ALIVE] = tg.ALIVE
+        C[:n, LAG] = self._lags(H[:n, PRIO])
         self.pred.set_all(C, tg.PRED)
         self.res.set_all(C, [r or () for r in tg.RESM])
         sg = self.succ
         sg.buf = np.zeros(max(2 * self.pred.used, 1024), _I8)
         sg.used = int(_succ_from_pred(n, H, C, self.pred.buf, sg.buf))
+
+    def _lags(self, prios: np.ndarray) -> np.ndarray:
+        """The LAG column of tasks with priorities ``prios``: ``xfer_lag`` for transfers."""
+        if not self.xfer_lag:
+            return 0
+        kinds = kind_of(prios)
+        return np.where((kinds == XF) | (kinds == XB), self.xfer_lag, 0)
 
     def update(self, tg, killed, preds, born) -> None:
         """Mirror a patch: the tasks it killed, those whose predecessors it changed (and
@@ -152,6 +161,7 @@ class TaskArrays:
             H[ids, DUR] = durs
             H[ids, RES1] = r1s
             H[ids, PRIO] = prios
+            C[ids, LAG] = self._lags(H[ids, PRIO])
             C[ids, ALIVE] = 1
             C[ids, RLEN] = 0
             multi = [i for i, r in enumerate(rms) if r]  # (routes: the rare multi-resource tasks)
@@ -186,6 +196,7 @@ class TaskArrays:
             assert bool(C[t, ALIVE]) == tg.ALIVE[t], t
             if tg.ALIVE[t]:
                 assert (H[t, DUR], H[t, RES1], H[t, PRIO]) == (tg.DUR[t], tg.RES1[t], tg.KP[t] >> TID_BITS), t
+                assert C[t, LAG] == (self._lags(H[t:t + 1, PRIO])[0] if self.xfer_lag else 0), t
                 assert row(self.res, C, t) == sorted(tg.RESM[t] or ()), t
             assert row(self.pred, C, t) == sorted(tg.PRED[t]), t
             for p in tg.PRED[t]:

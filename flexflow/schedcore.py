@@ -109,8 +109,12 @@ def _sort_keys(K, T, K2, T2, n):
 
 # columns of the hot table (read by the scheduling loop): one 64-byte row per task
 READY, FIN, CNT, DUR, RES1, PRIO, SOFF, SLEN = range(8)
-# columns of the cold table (the delta restart, the rare multi-resource task)
-POFF, PLEN, ROFF, RLEN, ALIVE, MARK, SCR = range(7)
+# columns of the cold table (the delta restart, the rare multi-resource task, the lag)
+POFF, PLEN, ROFF, RLEN, ALIVE, MARK, SCR, LAG = range(8)
+# LAG: picoseconds between a task's end and the earliest start of its successors, holding no
+# resource (a message's latency on a host where the cores move the messages: the cores are
+# busy for the sending and receiving, the wire and the peer's wake-up hold nothing, and
+# messages posted together overlap them)
 
 
 @_jit
@@ -229,6 +233,7 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
         nlog += 1
         if over:
             return nlog, True
+        e += C[t, LAG]  # when the successors may start
         o = row[SOFF]
         for i in range(o, o + row[SLEN]):
             c = SBUF[i]
@@ -358,8 +363,8 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
                 if C[p, MARK] == stamp:
                     hit = True
                     break
-                if H[p, FIN] > lb:
-                    lb = H[p, FIN]
+                if H[p, FIN] + C[p, LAG] > lb:
+                    lb = H[p, FIN] + C[p, LAG]
             if not hit and lb < tstar:
                 tstar = lb
     # keep the log's prefix with ready time < t*
@@ -407,7 +412,7 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
     # the prefix, so walking the prefix's successors finds every such edge once)
     for i in range(keep):
         p = LOG[i]
-        f = H[p, FIN]
+        f = H[p, FIN] + C[p, LAG]
         o = H[p, SOFF]
         for j in range(o, o + H[p, SLEN]):
             c = SBUF[j]

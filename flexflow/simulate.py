@@ -186,7 +186,7 @@ class Simulator:
                 return self._result(tg, after) if done else self._stopped()
         tg = self._tg = TaskGraph(self.ctx, strategy)
         if self._sched is None:
-            self._sched = _Schedule(self.ctx.R)
+            self._sched = _Schedule(self.ctx.R, self.ctx.xfer_lag_ps)
         after = self._after_graph_ps(tg)
         done = self._sched.run_full(tg, limit - after)
         self.stats["full"] += 1
@@ -200,7 +200,7 @@ class Simulator:
         """(events, row names): events (name, category, resource, start_ps, dur_ps) of a fresh
         full simulation of ``strategy``; resource r < num_devices is a device, else a link."""
         tg = TaskGraph(self.ctx, strategy)
-        sched = _Schedule(self.ctx.R)
+        sched = _Schedule(self.ctx.R, self.ctx.xfer_lag_ps)
         sched.run_full(tg)
         ctx, ops, D = self.ctx, self.ctx.ops, self.ctx.D
         arr = sched.arrays
@@ -351,8 +351,8 @@ class _Schedule:
     (:class:`flexflow.schedarrays.TaskArrays`): each task's finish time, the order tasks were
     dequeued, and when each resource is free."""
 
-    def __init__(self, R: int):
-        self.arrays = TaskArrays(R)
+    def __init__(self, R: int, xfer_lag: int = 0):
+        self.arrays = TaskArrays(R, xfer_lag)
 
     @property
     def free(self):

@@ -46,6 +46,11 @@ def decode_prio(p: int) -> tuple[int, int, int, int, int]:
     return (_AMAX - a if kind == B or kind == XB else a), kind, j, k, q
 
 
+def kind_of(prios):
+    """The kind of each priority (an int or an integer numpy array): XF, XB, F, ..."""
+    return (prios >> (2 * _PB + _JB)) & 7
+
+
 def _ps(seconds: float) -> int:
     """Seconds -> integer picoseconds, at least 1 (every task takes time: keeps keys ordered)."""
     return max(1, int(round(seconds * PS)))

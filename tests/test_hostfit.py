@@ -28,14 +28,17 @@ def _steps(machine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05, 1.2e9, 100e-6), (120e-6, 200e-6, 0.12, 5e9, 900e-6)])
+@pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05, 1.2e9, 100e-6, 150e-6),
+                                   (120e-6, 200e-6, 0.12, 5e9, 900e-6, 0.0),
+                                   (200e-6, 400e-6, 0.08, 2e9, 300e-6, 200e-6)])
 def test_fit_recovers_the_figures_that_made_the_steps(truth):
     base = cpu_machine_from_figures(FIGURES, devices=2)
     assert base.spec.comm_on_cores
-    lat, ar, skew, bw, out = truth
-    host = hostfit._machine(base, lat, ar, skew, bw, out)
+    lat, ar, skew, bw, out, lag = truth
+    host = hostfit._machine(base, lat, ar, skew, bw, out, lag)
     got = hostfit.fit_figures(base, _steps(host), 2, profile=False)
     assert got["exchange_s"] == pytest.approx(lat, rel=0.02)
+    assert got["message_lag_s"] == pytest.approx(lag, rel=0.05, abs=2e-6)
     assert got["bandwidth_Bps"] == pytest.approx(bw, rel=0.05)
     assert got["output_sync_s"] == pytest.approx(out, rel=0.02)
     assert got["allreduce_latency_s"] == pytest.approx(ar, rel=0.02)
@@ -56,8 +59,10 @@ def test_fit_clamps_figures_the_steps_cannot_support():
 
 
 def test_machine_from_figures_uses_the_fitted_figures_on_shared_cores():
-    m = cpu_machine_from_figures({**FIGURES, "exchange_s": 222e-6, "output_sync_s": 55e-6}, devices=2)
+    m = cpu_machine_from_figures({**FIGURES, "exchange_s": 222e-6, "output_sync_s": 55e-6,
+                                  "message_lag_s": 111e-6}, devices=2)
     assert m.num_devices == 2 and m.intra_node.latency_s == 222e-6 and m.spec.output_sync_s == 55e-6
+    assert m.spec.message_lag_s == 111e-6
     assert cpu_machine_from_figures(FIGURES).spec.output_sync_s is None  # not calibrated: one all-reduce
     assert m.intra_node.allreduce_latency_s == 300e-6 and m.spec.sync_skew == 0.2
     roomy = cpu_machine_from_figures({**FIGURES, "cores": 8}, devices=2)  # a spare core per process

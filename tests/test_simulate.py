@@ -486,6 +486,60 @@ def test_delta_equals_full_with_comm_on_cores(lenet, nmt_small):
     _walk(nmt_small, skewed, 80, seed=9, optimizer="adam")
 
 
+def _lagged(devices=4, lag=120e-6):
+    import dataclasses
+    on, _ = _on_cores(devices)
+    return dataclasses.replace(on, spec=dataclasses.replace(on.spec, message_lag_s=lag))
+
+
+def test_delta_and_limited_runs_are_exact_with_a_message_lag(lenet, nmt_small):
+    _walk(lenet, _lagged(), 120, seed=10, validate_every=20)
+    _walk(nmt_small, _lagged(lag=50e-6), 80, seed=11, optimizer="adam")
+    _walk_within(nmt_small, _lagged(), 120, seed=12)
+
+
+def test_message_lag_frees_the_cores_and_delays_the_consumer(lenet):
+    """With ``message_lag_s``, a transfer holds its devices for its latency less the lag, and
+    its consumer starts no earlier than the lag after the transfer ends; the devices' busy
+    time drops by the lag per transfer (and here the step gets shorter)."""
+    from flexflow.schedcore import PLEN, POFF
+    from flexflow.taskkeys import XB, XF, decode_prio
+    lag = 120e-6
+    on, lagged = _on_cores(4)[0], _lagged(lag=lag)
+    assert "message_lag_s" not in on.to_dict()["device"] and Machine.from_json(lagged.to_json()) == lagged
+    assert lagged.fingerprint() != on.fingerprint() and "hold no core" in lagged.describe()
+    s = Strategy(lenet, dict(Strategy.random(lenet, on, 7).items()))
+    plain, sim = Simulator(lenet, on), Simulator(lenet, lagged)
+    r0, r1 = plain.simulate(s), sim.simulate(s)
+    a = sim._sched.arrays
+    alive, prio, dur, fin = a.column("alive"), a.column("prio"), a.column("dur"), a.FIN.tolist()
+    xfers = [t for t in range(len(alive)) if alive[t] and decode_prio(prio[t])[1] in (XF, XB)]
+    assert xfers
+    lag_ps = round(lag * 1e12)
+    succ = {t: [] for t in xfers}
+    for c in range(len(alive)):
+        if alive[c]:
+            o, n = a.C[c, POFF], a.C[c, PLEN]
+            for p in a.pred.buf[o:o + n].tolist():
+                if p in succ:
+                    succ[p].append(c)
+    for t in xfers:
+        assert succ[t]
+        for c in succ[t]:
+            assert fin[c] - dur[c] >= fin[t] + lag_ps
+    moved = [0] * 4
+    for t in xfers:
+        for r in a.resources(t):
+            if r < 4:
+                moved[r] += lag_ps
+    for d in range(4):
+        assert r1.device_busy[d] == pytest.approx(r0.device_busy[d] - moved[d] / 1e12, rel=1e-9)
+    assert r1.iteration_time <= r0.iteration_time
+    # a lag as long as the latency: the transfers hold nothing but their bytes' time
+    full = _lagged(lag=200e-6)
+    assert Simulator(lenet, full).simulate(s).iteration_time <= r1.iteration_time
+
+
 def test_ops_of_one_kind_share_plans_and_give_what_their_own_plans_give(nmt_small):
     """Unrolled steps of a recurrent layer are one kind (``Context.kind``): they share their
     templates and transfer geometry.  Every plan so shared equals the plan computed for the op
