@@ -16,7 +16,11 @@ contenders on the same processes and the same global batch:
 - ``flexflow_searched``: ``flexflow.parallelize`` with no strategy: rank 0
   searches (``--budget`` seconds, on the detected host) and broadcasts;
 - ``flexflow_dp_eager``: data parallel with ``reduce_outputs="eager"`` (the
-  global loss all-reduced on its own, started at the end of the forward).
+  global loss all-reduced on its own, started at the end of the forward);
+- ``ddp_batched``: DDP as ``ddp``, on a process group of its own whose gloo
+  event-loop threads run under ``SCHED_BATCH``, as flexflow's groups do
+  (``flexflow.execute.batch_gloo_loops``): how much of a ratio to ``ddp`` is that
+  thread policy, not the strategy.  The ratios (×DDP) are to plain ``ddp``.
 
 Rounds alternate between the contenders so that load from other jobs hits
 them alike; each round is ``--steps`` SGD steps, timed on every rank, and a
@@ -95,13 +99,20 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
         else ff.Machine.preset("cpu", devices=world)
     lo, hi = rank * batch // world, (rank + 1) * batch // world
     ddp = DDP(copy.deepcopy(module))
+    from flexflow.execute import _threads, batch_gloo_loops
+    before = _threads()
+    group = dist.new_group(list(range(world)))
+    dist.barrier(group=group)
+    batch_gloo_loops(_threads() - before)
+    ddp_batched = DDP(copy.deepcopy(module), process_group=group)
     dp = ff.parallelize(module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine),
                         machine=machine)
     t0 = time.perf_counter()
     searched = ff.parallelize(module, example_inputs=inputs, budget=budget, machine=machine)
     search_s = time.perf_counter() - t0
     runs = {"ddp": _Trainer(ddp, tuple(x[lo:hi] for x in inputs)), "flexflow_dp": _Trainer(dp, inputs),
-            "flexflow_searched": _Trainer(searched, inputs)}
+            "flexflow_searched": _Trainer(searched, inputs),
+            "ddp_batched": _Trainer(ddp_batched, tuple(x[lo:hi] for x in inputs))}
     if ride:
         runs["flexflow_dp_eager"] = _Trainer(ff.parallelize(
             module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine), machine=machine,
@@ -120,6 +131,7 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
         sim = ff.Simulator(graph, machine, CostModel.for_machine(machine))
         dp_s = ff.Strategy.data_parallel(graph, machine)
         out["predicted_s"] = {"ddp": sim.simulate(dp_s).iteration_time,
+                              "ddp_batched": sim.simulate(dp_s).iteration_time,
                               "flexflow_dp": sim.simulate(dp_s).iteration_time,
                               "flexflow_searched": sim.simulate(searched.strategy).iteration_time}
         if ride:
@@ -187,14 +199,17 @@ def run(cases, steps: int, rounds: int, budget: float) -> list[dict]:
 
 def write_report(rows, command: str, seconds: float, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    names = [k for k in ("ddp", "flexflow_dp", "flexflow_dp_eager", "flexflow_searched") if k in rows[0]["step_ms"]]
+    names = [k for k in ("ddp", "ddp_batched", "flexflow_dp", "flexflow_dp_eager", "flexflow_searched")
+             if k in rows[0]["step_ms"]]
     lines = ["# Measured speed against DDP (2 gloo processes, CPU)", "",
              f"Command (from the repository root): `{command}` ({seconds:.0f} s; torch {torch.__version__}, "
              f"{os.cpu_count()} CPUs, one thread per process).", "",
              "Median step time over alternating rounds (a round counts at its slower rank); spread is "
              "min-max over rounds; ×DDP is DDP's step time over the contender's (higher is faster); "
              "predicted is the simulator's iteration time with the machine and op profile the search used "
-             "(parallelize() profiles the ops on this host before it searches).", "",
+             "(parallelize() profiles the ops on this host before it searches). `ddp_batched` is DDP on a "
+             "group whose gloo event-loop threads run under SCHED_BATCH, as flexflow's groups do: the share "
+             "of a ratio that is the thread policy, not the strategy.", "",
              "| model | batch | contender | step ms (spread) | steps/s | ×DDP | predicted ms | error |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
