@@ -71,6 +71,21 @@ class _Trainer:
         return (time.perf_counter() - t0) / n
 
 
+def batched_ddp(module):
+    """DDP on a new process group of all ranks whose gloo event-loop threads run under
+    SCHED_BATCH, as flexflow's own groups do (``flexflow.execute.batch_gloo_loops``):
+    DDP with the thread policy, to tell that policy's share of a ratio from the rest."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from flexflow.execute import _threads, batch_gloo_loops
+    before = _threads()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    dist.barrier(group=group)
+    batch_gloo_loops(_threads() - before)
+    return DDP(copy.deepcopy(module), process_group=group)
+
+
 # --------------------------------------------------------------------------- 2 processes
 def _two_process_worker(rank: int, name: str, size: str, batch: int, steps: int, rounds: int):
     import torch.distributed as dist
@@ -87,7 +102,8 @@ def _two_process_worker(rank: int, name: str, size: str, batch: int, steps: int,
     ffm = parallelize(module, example_inputs=inputs, strategy=strategy)
     eager = parallelize(module, example_inputs=inputs, strategy=strategy, reduce_outputs="eager")
     runs = {"ddp": _Trainer(ddp, local), "ddp_global_loss": _Trainer(_GlobalLoss(ddp), local),
-            "flexflow": _Trainer(ffm, inputs), "flexflow_eager": _Trainer(eager, inputs)}
+            "flexflow": _Trainer(ffm, inputs), "flexflow_eager": _Trainer(eager, inputs),
+            "ddp_batched": _Trainer(batched_ddp(module), local)}
     for t in runs.values():
         t.steps(3)  # warm-up
     times = {k: [] for k in runs}
@@ -156,17 +172,20 @@ def two_processes(steps: int, rounds: int) -> list[dict]:
         ddp_s, ff_s = statistics.median(per["ddp"]), statistics.median(per["flexflow"])
         dgl_s = statistics.median(per["ddp_global_loss"])
         eager_s = statistics.median(per["flexflow_eager"])
+        batched_s = statistics.median(per["ddp_batched"])
         rows.append({"model": name, "size": size, "batch": batch, "processes": 2,
                      "ddp_samples_per_s": batch / ddp_s, "flexflow_samples_per_s": batch / ff_s,
                      "flexflow_eager_samples_per_s": batch / eager_s, "ratio_eager": ddp_s / eager_s,
                      "ddp_global_loss_samples_per_s": batch / dgl_s,
                      "ratio": ddp_s / ff_s, "ratio_vs_ddp_global_loss": dgl_s / ff_s,
+                     "ddp_batched_samples_per_s": batch / batched_s, "ratio_vs_ddp_batched": batched_s / ff_s,
                      "ddp_step_ms": ddp_s * 1000, "flexflow_step_ms": ff_s * 1000,
                      "rounds_ms": {k: [round(v * 1000, 2) for v in vs] for k, vs in per.items()},
                      "profile_rank0_ms_per_step": res[0]["profile"]})
         print(f"2 procs {name:12s} DDP {batch / ddp_s:8.1f}  DDP+global loss {batch / dgl_s:8.1f}  "
               f"flexflow {batch / ff_s:8.1f}  flexflow eager {batch / eager_s:8.1f} samples/s  "
-              f"ratio {ddp_s / ff_s:.3f} / {dgl_s / ff_s:.3f}, eager {ddp_s / eager_s:.3f}",
+              f"ratio {ddp_s / ff_s:.3f} / {dgl_s / ff_s:.3f}, eager {ddp_s / eager_s:.3f}, "
+              f"vs DDP batched {batched_s / ff_s:.3f}",
               flush=True)
     return rows
 
@@ -251,23 +270,28 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
         "DDP+global loss: DDP that also all-reduces the loss value so that every rank returns",
         "the global loss, as flexflow's `reduce_outputs=\"eager\"` (the *flexflow eager* column) does (one",
         "more collective per step).  flexflow: the default, the global loss carried by the gradient",
-        "all-reduce (no collective beyond DDP's).",
+        "all-reduce (no collective beyond DDP's).  DDP batched: DDP on a group whose gloo event-loop",
+        "threads run under SCHED_BATCH, as flexflow's groups do (`flexflow.execute.batch_gloo_loops`);",
+        "DDP and DDP+global loss run on the launch's default group, whose threads are left as they are.",
         "",
-        "| model | global batch | DDP samples/s | DDP+global loss samples/s | flexflow samples/s "
-        "| flexflow eager samples/s | flexflow / DDP | flexflow / DDP+global loss | flexflow eager / DDP |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | global batch | DDP samples/s | DDP+global loss samples/s | DDP batched samples/s "
+        "| flexflow samples/s | flexflow eager samples/s | flexflow / DDP | flexflow / DDP+global loss "
+        "| flexflow / DDP batched | flexflow eager / DDP |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in two:
         lines.append(f"| {r['model']} ({r['size']}) | {r['batch']} | {r['ddp_samples_per_s']:.1f} | "
-                     f"{r['ddp_global_loss_samples_per_s']:.1f} | {r['flexflow_samples_per_s']:.1f} | "
-                     f"{r['flexflow_eager_samples_per_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['ratio_vs_ddp_global_loss']:.2f} | {r['ratio_eager']:.2f} |")
+                     f"{r['ddp_global_loss_samples_per_s']:.1f} | {r['ddp_batched_samples_per_s']:.1f} | "
+                     f"{r['flexflow_samples_per_s']:.1f} | {r['flexflow_eager_samples_per_s']:.1f} | "
+                     f"{r['ratio']:.2f} | {r['ratio_vs_ddp_global_loss']:.2f} | {r['ratio_vs_ddp_batched']:.2f} | "
+                     f"{r['ratio_eager']:.2f} |")
     lines += ["", "The spread: step time per round, median (fastest-slowest round), ms (a round ends "
               "when the slower rank does):", "",
-              "| model | DDP | DDP+global loss | flexflow | flexflow eager |", "| --- | --- | --- | --- | --- |"]
+              "| model | DDP | DDP+global loss | DDP batched | flexflow | flexflow eager |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for r in two:
         cells = []
-        for k in ("ddp", "ddp_global_loss", "flexflow", "flexflow_eager"):
+        for k in ("ddp", "ddp_global_loss", "ddp_batched", "flexflow", "flexflow_eager"):
             v = r["rounds_ms"][k]
             cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})")
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
@@ -319,10 +343,17 @@ collectives only; the *flexflow eager* column all-reduces it on its own
 (`reduce_outputs="eager"`), which costs about as much as a few dozen small
 ops on this host.  The collectives and gloo's point-to-point calls go
 straight to the process group (``dist.all_reduce``'s checks cost tens of
-microseconds a call).  What is left against DDP on rnnlm is local CPU
-time, not communication (`benchmarks/dp_phases.py` times each phase: the
-all-reduce takes no longer in flexflow, its forward 0.1 ms more, for the
-gradient gate that hands a bucket's gradients to the all-reduce and the
+microseconds a call).  The gloo event-loop threads of the runtime's groups
+run under SCHED_BATCH (`flexflow.execute.batch_gloo_loops`): a loop thread
+woken by a socket event otherwise preempts the thread that holds the pair's
+lock on its core and spins on it for the rest of its time slice, and a send
+or a collective step comes back milliseconds late now and then.  DDP here
+runs on the launch's default group with its threads left as they are; the
+*DDP batched* column gives DDP the same policy, so the share of a ratio that
+is the thread policy shows.  Beyond it, what flexflow's data parallelism
+costs over DDP's on rnnlm is local CPU time, not communication
+(`benchmarks/dp_phases.py` times each phase: its forward 0.1 ms more, for
+the gradient gate that hands a bucket's gradients to the all-reduce and the
 output that rides, and its backward up to the launch 0.05 ms more).
 
 **One process.**  Each step of a rank's program is compiled once into a

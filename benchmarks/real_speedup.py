@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flexflow as ff  # noqa: E402
 from flexflow.cost import CostModel  # noqa: E402
-from executor_overhead import _Trainer  # noqa: E402
+from executor_overhead import _Trainer, batched_ddp  # noqa: E402
 
 
 class WideMLP(nn.Module):
@@ -99,12 +99,7 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
         else ff.Machine.preset("cpu", devices=world)
     lo, hi = rank * batch // world, (rank + 1) * batch // world
     ddp = DDP(copy.deepcopy(module))
-    from flexflow.execute import _threads, batch_gloo_loops
-    before = _threads()
-    group = dist.new_group(list(range(world)))
-    dist.barrier(group=group)
-    batch_gloo_loops(_threads() - before)
-    ddp_batched = DDP(copy.deepcopy(module), process_group=group)
+    ddp_batched = batched_ddp(module)
     dp = ff.parallelize(module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine),
                         machine=machine)
     t0 = time.perf_counter()

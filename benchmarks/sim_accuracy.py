@@ -245,11 +245,14 @@ def main(argv=None) -> int:
     lines += [
               "## What the simulator models on this host", "",
               "- gloo's threads share the 2 cores that compute (`comm_on_cores` in the calibrated machine): a "
-              "message holds the devices at both ends for its duration, and so does a gradient all-reduce; "
-              "the latency of each gradient bucket and of the loss all-reduce adds to the step.",
+              "message holds the devices at both ends for its bytes' time and the part of its latency that "
+              "is the cores' work; the rest of its latency (the peer's wake-up) holds nothing, and messages in "
+              "flight together overlap it (`message_lag_s`); a gradient all-reduce holds its devices; the "
+              "latency of each gradient bucket and of the loss all-reduce adds to the step.",
               "- Message and all-reduce costs are fitted to the executor's own steps on a calibration "
               "chain (`flexflow/hostfit.py`: no model of this table): a message costs "
-              f"{figures.get('exchange_s', 0) * 1e6:.0f} us plus its bytes at "
+              f"{figures.get('exchange_s', 0) * 1e6:.0f} us, {figures.get('message_lag_s', 0) * 1e6:.0f} us of "
+              f"it on no core, plus its bytes at "
               f"{figures['bandwidth_Bps'] / 1e9:.2f} GB/s, an all-reduce "
               f"{figures.get('allreduce_latency_s', 0) * 1e6:.0f} us per ring step, returning the loss to "
               f"every rank {figures.get('output_sync_s', 0) * 1e6:.0f} us a step (the micro-benchmarks "
@@ -276,15 +279,14 @@ def main(argv=None) -> int:
               "left out) and without the autograd engine's per-call cost; inside a training step ops whose "
               "data left the cache run slower (the transformer's gelu and dropout 2-3x), so one-process "
               "predictions sit 10-40% off in either direction per model.",
-              "- A message holds both ends' cores for one fitted figure, and the messages between two "
-              "devices go one at a time. The executor posts the messages a producer sends to several "
-              "consumers at once (rnnlm's per-step slices of the embedding under model parallelism), and "
-              "their latencies overlap (`benchmarks/timeline_compare.py --model rnnlm --strategy "
-              "model_parallel` shows the simulated ones in a row), so rnnlm's model-parallel and random "
-              "strategies are predicted up to ~40% slow.",
-              "- The fitted figures move between calibrations (a message 124-250 us, an all-reduce step "
-              "557-1200 us over a dozen calibrations; the micro-benchmarks alone moved 3x); each run of this "
-              "script calibrates first, and the JSON keeps the calibration with its fit.", ""]
+              "- The gloo event-loop threads of the executor's groups run under SCHED_BATCH "
+              "(`flexflow.execute.batch_gloo_loops`). Before, a loop thread woken by a send preempted the "
+              "sending rank inside the send, holding the pair's lock, and spun on it: one send in ten came "
+              "back 1-5 ms late, and message-heavy strategies measured 35-60% slower than predicted "
+              "(the transformer's random strategies 37-60 ms a step, now 24-33 ms).",
+              "- The fitted figures move between calibrations (an all-reduce step 557-1200 us over a dozen "
+              "calibrations; the micro-benchmarks alone moved 3x); each run of this script calibrates first, "
+              "and the JSON keeps the calibration with its fit.", ""]
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[-6:]))
