@@ -7,8 +7,10 @@ inputs drawn as valid indices for their consumer: token ids below the
 embedding's vocabulary, class targets below the logits' class count), then
 ``RULES[op.rule].compute`` forward and a backward through it (gradient of
 the sum of the output w.r.t. float inputs and parameters; in-place ops get
-fresh untimed copies).  One warm-up (two for fast ops), the median of
-``repeats`` runs; CUDA events and a synchronize on GPUs, the CPU clock below
+fresh untimed copies).  The partitions to measure run round-robin in graph
+order, up to 32 at a time (:func:`profile_partitions`), as a step runs them:
+each run of an op finds the caches as the other ops left them.  One warm-up
+(two for fast ops), the median of ``repeats`` runs; CUDA events and a synchronize on GPUs, the CPU clock below
 on CPU under the current ``torch.get_num_threads()`` (which the profiler
 never changes; it is part of the CPU device name).
 
@@ -37,7 +39,8 @@ Saving takes an exclusive ``fcntl.flock`` on ``<file>.lock``, re-reads the
 file, merges (this process's new entries win) and replaces it atomically
 (tempfile + ``os.replace``), so processes can share one cache.  A corrupt
 file is rebuilt with a warning, and so is a file of an older format version
-(version 1 timed CPU ops by wall time and kept the engine call in backward).
+(version 1 timed CPU ops by wall time and kept the engine call in backward;
+version 2 ran each op's runs back to back).
 ``flexflow/data/profile-<kind>.json`` in the
 package is a read-only fallback (e.g. an H200 profile shipped with the code).
 """
@@ -59,7 +62,7 @@ from .profiledb import (FORMAT, VERSION, ProfileDB, _torch_device, device_kind_o
                         key_str, package_profile_path, profiles_dir)
 from .strategy import ParallelConfig, partitions
 
-__all__ = ["ProfileDB", "ProfileReport", "profile_graph", "profile_partition", "device_kind_of",
+__all__ = ["ProfileDB", "ProfileReport", "profile_graph", "profile_partition", "profile_partitions", "device_kind_of",
            "device_name", "profiles_dir", "package_profile_path", "key_str", "fit_efficiency",
            "calibrate_comm", "FORMAT", "VERSION"]
 
@@ -180,47 +183,137 @@ def profile_partition(op, part, device="cpu", repeats: int = 5, warmup: int = 1,
     needs one).  ``warmup`` runs (one more when the first is under 10 ms) are not
     counted; runs stop early after ``max_seconds`` once 3 were counted.  ``graph``
     lets integer inputs fed by constants use the real constant."""
-    dev = _torch_device(device)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    ins, params = _make_inputs(op, part, dev, gen, graph)
-    try:
-        return _measure(op, part, dev, ins, params, repeats, warmup, max_seconds, clone=False)
-    except RuntimeError as e:  # an in-place op on a leaf: feed it fresh copies (made untimed)
-        if "in-place" not in str(e):
-            raise
-        return _measure(op, part, dev, ins, params, repeats, warmup, max_seconds, clone=True)
+    got = profile_partitions([(op, part)], device, repeats, warmup, graph, max_seconds, seed)[0]
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
-def _measure(op, part, dev, ins, params, repeats, warmup, max_seconds, clone):
-    rule, timer = RULES[op.rule], _Timer(dev)
-    leaves = [t for t in list(ins) + list(params.values()) if t is not None and t.requires_grad]
-    fwd_t, bwd_t, grads = [], [], None
-    started, it, warm = None, 0, max(0, warmup)
-    while len(fwd_t) < max(1, repeats):
-        args = [t.clone() if clone and t is not None and t.is_floating_point() else t for t in ins]
+# partitions measured together, round-robin (profile_partitions): at most this many, and
+# at most this many bytes of inputs, parameters and outputs among them
+WINDOW_OPS = 32
+WINDOW_BYTES = 512 * 2**20
+
+
+class _Run:
+    """One partition being measured: its inputs and its forward / backward times."""
+
+    def __init__(self, op, part, ins, params):
+        self.op, self.part, self.ins, self.params = op, part, ins, params
+        self.leaves = [t for t in list(ins) + list(params.values()) if t is not None and t.requires_grad]
+        self.clone = False  # an in-place op on a leaf: fed fresh copies (made untimed)
+        self.grads = None
+        self.times: list[tuple[float, float]] = []
+        self.warm = 0
+
+    def once(self, timer) -> tuple[float, float]:
+        args = [t.clone() if self.clone and t is not None and t.is_floating_point() else t for t in self.ins]
         t0 = timer.start()
-        out = rule.compute(op, part.block, args, params)
+        out = RULES[self.op.rule].compute(self.op, self.part.block, args, self.params)
         tf = timer.stop(t0)
         outs = [o for o in _tensors(out) if o.requires_grad]
         tb = 0.0
-        if outs and leaves:
-            if grads is None:
-                grads = [torch.ones_like(o) for o in outs]
+        if outs and self.leaves:
+            if self.grads is None:
+                self.grads = [torch.ones_like(o) for o in outs]
             t0 = timer.start()
-            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+            torch.autograd.grad(outs, self.leaves, self.grads, allow_unused=True)
             tb = timer.stop(t0)
-        del out, outs
-        it += 1
-        if it == 1 and warm and tf + tb < 0.01:
-            warm += 1
-        if it <= warm:
+        return tf, tb
+
+    @property
+    def counted(self) -> int:
+        return len(self.times) - self.warm
+
+
+def profile_partitions(items, device="cpu", repeats: int = 5, warmup: int = 1, graph=None,
+                       max_seconds: float = 2.0, seed: int = 0, order=None) -> list:
+    """Measure partitions ``items`` ((op, part) pairs) together: per item (median
+    forward_s, median backward_s, runs), or the exception that stopped it.
+
+    A round runs the items in ``order`` (indices into ``items``, an index once for each
+    op of the step that has that partition, in graph order; default each item once, in
+    the order given); rounds repeat until every item has ``repeats`` counted runs, after
+    its own ``warmup`` runs (one more when its first took under 10 ms).  Run back to back, an
+    op keeps its code, branch history and data in the caches, and a step never runs it
+    so: the transformer's ops timed that way summed to 60% of its forward in a step,
+    round-robin to 100%.  Once every item has 3 counted runs, the rounds stop when they
+    have taken ``max_seconds`` per item."""
+    dev = _torch_device(device)
+    timer = _Timer(dev)
+    out: list = [None] * len(items)
+    live = []
+    for i, (op, part) in enumerate(items):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        try:
+            ins, params = _make_inputs(op, part, dev, gen, graph)
+        except Exception as e:  # noqa: BLE001 - reported for this item
+            out[i] = e
             continue
-        started = started or time.perf_counter()
-        fwd_t.append(tf)
-        bwd_t.append(tb)
-        if len(fwd_t) >= min(3, repeats) and time.perf_counter() - started > max_seconds:
+        live.append((i, _Run(op, part, ins, params)))
+    runs = dict(live)
+    seq = list(range(len(items))) if order is None else list(order)
+    started = None
+    while live:
+        for i in seq:
+            r = runs.get(i)
+            if r is None:
+                continue
+            try:
+                tf, tb = r.once(timer)
+            except RuntimeError as e:
+                if "in-place" in str(e) and not r.clone:
+                    r.clone, r.times, r.warm = True, [], 0
+                    continue
+                out[i] = e
+                live.remove((i, runs.pop(i)))
+                continue
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+                live.remove((i, runs.pop(i)))
+                continue
+            if not r.times:
+                r.warm = max(0, warmup) + (1 if warmup and tf + tb < 0.01 else 0)
+            r.times.append((tf, tb))
+        if not live:
             break
-    return statistics.median(fwd_t), statistics.median(bwd_t), len(fwd_t)
+        low = min(r.counted for _, r in live)
+        if low >= 1 and started is None:
+            started = time.perf_counter()
+        if low >= max(1, repeats):
+            break
+        if low >= min(3, repeats) and started is not None and \
+                time.perf_counter() - started > max_seconds * len(live):
+            break
+    for i, r in live:
+        kept = r.times[r.warm:]
+        out[i] = (statistics.median(t for t, _ in kept), statistics.median(t for _, t in kept), len(kept))
+    return out
+
+
+def _windows(todo: dict, seq: list):
+    """Groups for :func:`profile_partitions`: (keys, order) with ``keys`` the distinct keys
+    of ``todo`` (key -> (op, part)) in their first appearance in ``seq`` (the keys of the
+    step's op partitions in graph order, with repeats), at most ``WINDOW_OPS`` of them
+    and ``WINDOW_BYTES`` of their partitions' bytes, and ``order`` the indices of the
+    appearances of those keys in ``seq``."""
+    home, wins, size = {}, [[]], 0
+    for k in seq:
+        if k not in todo or k in home:
+            continue
+        nb = partition_bytes(*todo[k])
+        if wins[-1] and (len(wins[-1]) >= WINDOW_OPS or size + nb > WINDOW_BYTES):
+            wins.append([])
+            size = 0
+        home[k] = len(wins) - 1
+        wins[-1].append(k)
+        size += nb
+    orders = [[] for _ in wins]
+    index = [{k: i for i, k in enumerate(w)} for w in wins]
+    for k in seq:
+        if k in home:
+            orders[home[k]].append(index[home[k]][k])
+    return [(w, o) for w, o in zip(wins, orders) if w]
 
 
 @dataclass
@@ -310,13 +403,18 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     if db is None:
         db = ProfileDB.load(name, profile_dir=profile_dir, device_kind=device_kind_of(dev))
     groups: dict[str, dict] = {}
+    seq = []  # the keys of each op's partitions, in graph order (an op's several once each)
     only = None if ops is None else set(ops)
     for op in graph.compute_ops:
         if only is not None and op.name not in only:
             continue
+        mine = set()
         for config in _configs_for(op, strategy, configs):
             for part in partitions(op, config):
                 k = key_str(_KEYER.key(op, part))
+                if k not in mine:
+                    mine.add(k)
+                    seq.append(k)
                 g = groups.get(k)
                 if g is None:
                     groups[k] = g = {"key": k, "op": op.name, "ops": [], "count": 0, "_op": op, "_part": part}
@@ -331,27 +429,39 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
             from tqdm import tqdm
             bar = tqdm(total=len(groups), desc=f"profiling on {name}", unit="op", file=sys.stderr)
     last_save = time.perf_counter()
+    entries = {}  # key -> report entry, in graph order
+    todo = {}  # key -> (op, part) to measure
+    for k, g in groups.items():
+        op, part = g.pop("_op"), g.pop("_part")
+        e = entries[k] = _describe(op, part, g)
+        hit = db.get(k)
+        if hit is not None:
+            e.update(forward_ms=hit["fwd_s"] * 1e3, backward_ms=hit["bwd_s"] * 1e3, cached=True)
+            report.cached += 1
+            if bar is not None:
+                bar.update(1)
+        else:
+            todo[k] = (op, part)
     try:
-        for k, g in groups.items():
-            op, part = g.pop("_op"), g.pop("_part")
-            e = _describe(op, part, g)
-            hit = db.get(k)
-            if hit is not None:
-                e.update(forward_ms=hit["fwd_s"] * 1e3, backward_ms=hit["bwd_s"] * 1e3, cached=True)
-                report.cached += 1
-            elif budget_s is not None and time.perf_counter() - t_start > budget_s:
-                e.update(error="skipped: out of profiling time", skipped=True)
-                report.skipped += 1
-            else:
-                if call_s is None:  # measured once, and only when something is measured
-                    call_s = _engine_call_s(dev, _Timer(dev))
-                try:
-                    fwd, raw_bwd, runs = profile_partition(op, part, dev, repeats, warmup, graph, max_seconds)
-                except Exception as exc:  # an op that cannot run on random data: report it
-                    e["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        for win, order in _windows(todo, seq):
+            if budget_s is not None and time.perf_counter() - t_start > budget_s:
+                for k in win:
+                    entries[k].update(error="skipped: out of profiling time", skipped=True)
+                    report.skipped += 1
+                continue
+            if call_s is None:  # measured once, and only when something is measured
+                call_s = _engine_call_s(dev, _Timer(dev))
+            got = profile_partitions([todo[k] for k in win], dev, repeats, warmup, graph, max_seconds,
+                                     order=order)
+            for k, res in zip(win, got):
+                op, part = todo[k]
+                e = entries[k]
+                if isinstance(res, Exception):  # an op that cannot run on random data: report it
+                    e["error"] = f"{type(res).__name__}: {res}".splitlines()[0][:300]
                     warnings.warn(f"profiling {op.describe()} failed: {e['error']}")
                     report.errors += 1
                 else:
+                    fwd, raw_bwd, runs = res
                     # the backward as one node of a step's backward (one engine call per step)
                     bwd = max(raw_bwd - call_s, 0.2 * raw_bwd) if raw_bwd > 0 else 0.0
                     meta = _meta(op, e, runs, name)
@@ -359,17 +469,17 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
                     db.record(k, fwd, bwd, meta)
                     e.update(forward_ms=fwd * 1e3, backward_ms=bwd * 1e3)
                     report.measured += 1
-                    if save and time.perf_counter() - last_save > 60:
-                        db.save()  # keep progress of long runs
-                        last_save = time.perf_counter()
-            report.ops.append(e)
-            if bar is not None:
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
+            if save and time.perf_counter() - last_save > 60:
+                db.save()  # keep progress of long runs
+                last_save = time.perf_counter()
     finally:
         if bar is not None:
             bar.close()
         if save and db._dirty:
             db.save()
+    report.ops = list(entries.values())
     report.seconds = time.perf_counter() - t_start
     return report
 

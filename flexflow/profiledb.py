@@ -20,7 +20,7 @@ from .machine import GPU_SPECS, cache_dir
 __all__ = ["ProfileDB", "device_kind_of", "device_name", "profiles_dir", "package_profile_path", "key_str",
            "FORMAT", "VERSION"]
 
-FORMAT, VERSION = "flexflow-profile", 2
+FORMAT, VERSION = "flexflow-profile", 3
 # version 2: CPU times are the thread's CPU time (load from other jobs left out) and a
 # backward without the engine call's fixed cost; older files are measured again
 _PKG_DATA = Path(__file__).parent / "data"

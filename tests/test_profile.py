@@ -411,7 +411,7 @@ def test_backward_entries_leave_out_the_engine_call(cache, monkeypatch):
     bwd_call_s), never below a fifth of what was measured."""
     monkeypatch.setattr(prof, "_engine_call_s", lambda dev, timer: 30e-6)
     times = iter([(1e-4, 2e-4, 5), (1e-5, 3e-5, 5)] * 50)
-    monkeypatch.setattr(prof, "profile_partition", lambda *a, **k: next(times))
+    monkeypatch.setattr(prof, "profile_partitions", lambda items, *a, **k: [next(times) for _ in items])
     g = _small("lenet")
     r = profile_graph(g, repeats=2)
     entries = json.loads(_cache_file(cache).read_text())["entries"].values()
@@ -440,3 +440,27 @@ def test_older_cache_format_is_measured_again(cache):
     assert r.measured == len(r.ops) and r.cached == 0
     d = json.loads(path.read_text())
     assert d["version"] == profiledb.VERSION and "k" not in d["entries"]
+
+
+def test_partitions_are_measured_round_robin_in_the_order_given(monkeypatch):
+    """profile_partitions runs one run of each partition per round, in the order given, until
+    each has its warm-up and ``repeats`` counted runs; a partition that fails is reported
+    by its exception and the others go on."""
+    g = _small("lenet")
+    ops = [op for op in g.compute_ops][:3]
+    items = [(op, prof.partitions(op, prof.ParallelConfig({}, (0,)))[0]) for op in ops]
+    calls = []
+    fail = ops[1].name
+
+    def once(self, timer):
+        calls.append(self.op.name)
+        if self.op.name == fail and len([c for c in calls if c == fail]) == 2:
+            raise ValueError("boom")
+        return (0.02, 0.03)  # slow enough for one warm-up only
+    monkeypatch.setattr(prof._Run, "once", once)
+    got = prof.profile_partitions(items, repeats=3, warmup=1)
+    names = [op.name for op in ops]
+    assert calls[:3] == names and calls[3:6] == names  # round-robin
+    assert calls[6:] == [names[0], names[2]] * 2  # the failed one dropped
+    assert got[0] == (0.02, 0.03, 3) and got[2] == (0.02, 0.03, 3)
+    assert isinstance(got[1], ValueError)
