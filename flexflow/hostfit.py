@@ -19,7 +19,7 @@ predicts those steps:
   message's latency is partly the cores' work (posting, the loopback's copy, the
   Python around it) and partly time that holds no core (the peer's wake-up): messages
   in flight together overlap that part.  The small alternating chain fixes the whole
-  latency (``exchange_s``), the small split chain the part that holds no core
+  latency (``exchange_s``), the two split chains the part that holds no core
   (``message_lag_s``), the large alternating chain the bandwidth;
 - ``data_parallel`` -> the all-reduce latency per ring step and the sync skew (what a
   synchronisation costs per second of compute before it, from the ranks' jitter).
@@ -226,14 +226,15 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
     lag_s = 0.0
     for _ in range(3):
         # messages: the latency from the small chain's messages (8 KB), the bandwidth from
-        # the large one's (512 KB), the part of the latency that holds no core from the small
-        # split chain (two messages in flight at once: the more of the latency holds no core,
-        # the more they overlap); each moves its own case most, so a few rounds settle
+        # the large one's (512 KB), the part of the latency that holds no core from the split
+        # chains (two messages in flight at once: the more of the latency holds no core, the
+        # more they overlap); each moves its own case most, so a few rounds settle
         for _ in range(20):  # until none moves by more than 0.1%
             lat0, bw0, lag0 = lat, bw, lag_s
             lat = _bisect(lambda x: log_err(small, lat=x), *_LAT_RANGE)
             bw = _bisect(lambda x: -log_err(large, bw=x), *_BW_RANGE)
-            lag_s = _bisect(lambda x: -log_err(small, LAGGED, lag=x), _LAT_RANGE[0] * 1e-3, lat)
+            lag_s = _bisect(lambda x: -log_err(small, LAGGED, lag=x) - log_err(large, LAGGED, lag=x),
+                            _LAT_RANGE[0] * 1e-3, lat)
             if lag_s <= _LAT_RANGE[0]:  # (the bisection's lower bound: none of it overlaps)
                 lag_s = 0.0
             if abs(lat / lat0 - 1) < 1e-3 and abs(bw / bw0 - 1) < 1e-3 and abs(lag_s - lag0) <= 1e-3 * lat:
