@@ -275,10 +275,13 @@ def main(argv=None) -> int:
               "inputs that no parameter feeds (the image batch into the first layer).",
               "",
               "## What limits the accuracy here", "",
-              "- Op times are profiled one op at a time, by the thread's CPU time (load from other jobs "
-              "left out) and without the autograd engine's per-call cost; inside a training step ops whose "
-              "data left the cache run slower (the transformer's gelu and dropout 2-3x), so one-process "
-              "predictions sit 10-40% off in either direction per model.",
+              "- Op times are profiled by the thread's CPU time (load from other jobs left out), without "
+              "the autograd engine's per-call cost, the ops of a graph round-robin in graph order "
+              "(`flexflow.profile.profile_partitions`): timed back to back, an op kept its code and data "
+              "in the caches, and the transformer's ops summed to 60-80% of its step (gelu 2.6x faster "
+              "than in a step). One-process predictions of the plain modules now sit within -0..+25% "
+              "(transformer +0-1%, alexnet +5-21%, rnnlm +19-24%: its small ops cost less in a step "
+              "than timed alone, either way).",
               "- The gloo event-loop threads of the executor's groups run under SCHED_BATCH "
               "(`flexflow.execute.batch_gloo_loops`). Before, a loop thread woken by a send preempted the "
               "sending rank inside the send, holding the pair's lock, and spun on it: one send in ten came "
