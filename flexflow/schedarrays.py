@@ -207,7 +207,8 @@ class TaskArrays:
     def run_full(self, limit: int = NO_LIMIT) -> bool:
         """Schedule every task; False if stopped early (see :meth:`run_delta`)."""
         self.nlog, stopped = _run_full(self.n, self.H, self.C, self.res.buf, self.succ.buf, self.pred.buf,
-                                       self.free, self.rem, limit, self.LOG, self.LOGR, self.HEAP, self.SUF)
+                                       self.free, self.rem, limit, self.LOG, self.LOGR, self.HEAP, self.SUF,
+                                       self.xfer_lag > 0)
         self.nlog = int(self.nlog)
         self._set_valid(stopped)
         return not stopped
@@ -219,7 +220,8 @@ class TaskArrays:
         next run restarts no later than the stopping point."""
         nlog, ns, stopped = _run_delta(_ids(dead), _ids(dirty), _ids(born), self.n, self.nlog, self.valid, self.H,
                                        self.C, self.res.buf, self.succ.buf, self.pred.buf, self.free, self.rem,
-                                       limit, self.LOG, self.LOGR, self.HEAP, self.SUF, self.stamp + 1)
+                                       limit, self.LOG, self.LOGR, self.HEAP, self.SUF, self.stamp + 1,
+                                       self.xfer_lag > 0)
         self.stamp += 3  # (a delta run marks with three fresh stamps)
         self.nlog = int(nlog)
         self._set_valid(stopped)

@@ -118,13 +118,14 @@ POFF, PLEN, ROFF, RLEN, ALIVE, MARK, SCR, LAG = range(8)
 
 
 @_jit
-def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
+def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog, lag):
     """Dequeue in (ready, priority, id) order, starting from the ``ninit`` tasks in
     Q[QINIT] (ready at H[t, READY]), until the queue is empty, or until some resource r
     proves the graph cannot end by ``limit``: it is busy until free[r] and still has rem[r]
     of work queued (free[r] + rem[r] > limit).  Returns (new log length, stopped early).
     Without a limit (NO_LIMIT) the queued work is not kept (the callers leave rem unset):
-    a complete run is about a tenth faster."""
+    a complete run is about a tenth faster.  ``lag``: whether any task has a LAG (the
+    cold table is then read once per task; without, not at all)."""
     track = limit < NO_LIMIT
     NX, TL, ORD, HK, CUR = Q[QNEXT], Q[QTAIL], Q[QORD], Q[QKEY], Q[QCUR]
     K, K2, T2, INIT = Q[QK], Q[QK2], Q[QT2], Q[QINIT]
@@ -233,7 +234,8 @@ def _loop(Q, ninit, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, nlog):
         nlog += 1
         if over:
             return nlog, True
-        e += C[t, LAG]  # when the successors may start
+        if lag:
+            e += C[t, LAG]  # when the successors may start
         o = row[SOFF]
         for i in range(o, o + row[SLEN]):
             c = SBUF[i]
@@ -311,7 +313,7 @@ def _over(free, rem, limit):
 
 
 @_jit
-def _run_full(n, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, Q, SUF):
+def _run_full(n, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, Q, SUF, lag):
     for r in range(free.shape[0]):
         free[r] = 0
     hn = 0
@@ -331,12 +333,12 @@ def _run_full(n, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, Q, SUF):
         if C[t, ALIVE] and C[t, PLEN] == 0:
             INIT[hn] = t
             hn += 1
-    return _loop(Q, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, 0)
+    return _loop(Q, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, 0, lag)
 
 
 @_jit
 def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, rem, limit, LOG, LOGR, Q, SUF,
-               stamp):
+               stamp, lag):
     """Re-simulate from t* (``simulate.py``), no later than ``valid`` (the previous run
     stopped early: only its tasks with ready time < valid are final).  Returns (new log
     length, tasks re-simulated, stopped early)."""
@@ -427,7 +429,7 @@ def _run_delta(dead, dirty, born, n, nlog, valid, H, C, RBUF, SBUF, PBUF, free, 
         if H[t, CNT] == 0:
             INIT[hn] = t
             hn += 1
-    nlog, stopped = _loop(Q, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, keep)
+    nlog, stopped = _loop(Q, hn, H, C, RBUF, SBUF, free, rem, limit, LOG, LOGR, keep, lag)
     return nlog, ns, stopped
 
 
