@@ -78,7 +78,7 @@ from . import shutdown
 from .cost import GRAD_BUCKET_BYTES
 from .ir import Op, OpGraph, dtype_bytes
 from .localrun import constant_value_of, fill_outputs, whole_config
-from .ops import RULES
+from .ops import RULES, picks_stacked_part
 from .ops.base import region_shape
 from .pending import Once, pending
 from .strategy import (Partition, Strategy, canonical_partitions, overlap, param_placement, partitions,
@@ -506,10 +506,9 @@ class Runtime:
     def _stacked_item(self, op: Op, entry) -> int | None:
         """The part k when the index op ``op`` reads exactly part k of its stacked
         input (as an LSTM cell's h = out[0]), else None."""
-        a = op.attrs
-        if 0 in a["axis_map"] or 0 in a.get("sliced", {}) or a.get("new_axes"):
-            return None
         _, src, data = entry
+        if not picks_stacked_part(op, self.graph.op(src)):
+            return None
         held = self._mine(self._parts(self.graph.op(src)))
         if held is None:
             return None

@@ -9,6 +9,7 @@ import numpy as np
 from .cost import GRAD_BUCKET_BYTES
 from .ir import dtype_bytes
 from .memory import Liveness, optimizer_state_copies
+from .ops import picks_stacked_part
 from .ops.base import region_numel
 from .strategy import overlap, param_placement, partitions, pick_replica, validate_config
 from .taskkeys import _AB, _AMAX, _JB, _PB, PS, B, F, SYNC, SYNC_MODELS, UPD, XB, XF, _prio, _ps
@@ -135,7 +136,12 @@ class Context:
         # recurrent layer, a repeated block) have the same partitions under every config and
         # the same times: their templates and transfer plans are computed once
         kinds: dict = {}
-        self.kind = [kinds.setdefault(_geometry_key(op), len(kinds)) if not op.everywhere else -1 for op in ops]
+        # index ops that pick a part of a stacked output (an LSTM cell's h): the executor runs
+        # no op for them (ops.picks_stacked_part), so their partitions take no time
+        self.free = [len(op.inputs) == 1 and op.inputs[0] in graph.index
+                     and picks_stacked_part(op, ops[graph.index[op.inputs[0]]]) for op in ops]
+        self.kind = [kinds.setdefault((_geometry_key(op), self.free[i]), len(kinds)) if not op.everywhere else -1
+                     for i, op in enumerate(ops)]
         self._tmpl: dict = {}
         self._unit: dict = {}
         self._fuse: dict = {}
@@ -165,8 +171,9 @@ class Context:
         t.devk = {p.device: k for k, p in enumerate(parts)}
         t.fwd, t.bwd = [], []
         t.busy = np.zeros(self.R, np.int64)
+        free = self.free[o]
         for p in parts:
-            f, b = self.cost.op_time(op, p, p.device)
+            f, b = (0.0, 0.0) if free else self.cost.op_time(op, p, p.device)
             f, b = _ps(f), _ps(b)
             t.fwd.append(f)
             t.bwd.append(b)

@@ -200,6 +200,8 @@ class _Run:
 
     def __init__(self, op, part, ins, params):
         self.op, self.part, self.ins, self.params = op, part, ins, params
+        # what the executor calls every step: the rule bound to the partition once
+        self.fn = RULES[op.rule].bind(op, part.block)
         self.leaves = [t for t in list(ins) + list(params.values()) if t is not None and t.requires_grad]
         self.clone = False  # an in-place op on a leaf: fed fresh copies (made untimed)
         self.grads = None
@@ -209,7 +211,7 @@ class _Run:
     def once(self, timer) -> tuple[float, float]:
         args = [t.clone() if self.clone and t is not None and t.is_floating_point() else t for t in self.ins]
         t0 = timer.start()
-        out = RULES[self.op.rule].compute(self.op, self.part.block, args, self.params)
+        out = self.fn(args, self.params)
         tf = timer.stop(t0)
         outs = [o for o in _tensors(out) if o.requires_grad]
         tb = 0.0

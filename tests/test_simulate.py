@@ -640,3 +640,25 @@ def test_ready_queue_dequeues_in_ready_priority_id_order():
         a.run_delta([], [t], [])
         log, fin = reference(tg, R)
         assert a.log().tolist() == log and a.FIN.tolist() == fin
+
+
+def test_picking_h_or_c_out_of_a_cell_takes_no_time():
+    """An unrolled LSTM's ``h, c = cell(x, (h, c))`` traces as index ops on the cell's
+    stacked (h, c); the executor hands the part on and runs nothing
+    (``ops.picks_stacked_part``), so the simulator gives those ops no time, while an
+    index op on a plain tensor (the embedding's ``x[:, t]``) keeps its time."""
+    module, inputs = ff.models.get("rnnlm", batch_size=8, size="small", seed=0)
+    g = ff.trace(module, inputs)
+    m = Machine.preset("cpu", devices=2)
+    sim = Simulator(g, m)
+    ctx = sim.ctx
+    free = [o for o, f in enumerate(ctx.free) if f]
+    assert free
+    for o in free:
+        op = ctx.ops[o]
+        assert op.rule == "index" and g.op(op.inputs[0]).attrs.get("stacked")
+    plain = [o for o in ctx.compute if ctx.ops[o].rule == "index" and not ctx.free[o]]
+    assert plain  # x[:, t] of the embedding's output
+    one = ParallelConfig({}, (0,))
+    assert all(x == 1 for o in free for x in ctx.template(o, one).fwd + ctx.template(o, one).bwd)
+    assert all(x > 1 for o in plain for x in ctx.template(o, one).fwd)
