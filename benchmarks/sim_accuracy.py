@@ -279,9 +279,9 @@ def main(argv=None) -> int:
               "the autograd engine's per-call cost, the ops of a graph round-robin in graph order "
               "(`flexflow.profile.profile_partitions`): timed back to back, an op kept its code and data "
               "in the caches, and the transformer's ops summed to 60-80% of its step (gelu 2.6x faster "
-              "than in a step). One-process predictions of the plain modules now sit within -0..+25% "
-              "(transformer +0-1%, alexnet +5-21%, rnnlm +19-24%: its small ops cost less in a step "
-              "than timed alone, either way).",
+              "than in a step). One-process predictions of the plain modules now sit within -4..+34% "
+              "(transformer -2..+2%, alexnet -4..+21%, rnnlm +19..+34%: its LSTM cells cost less in a "
+              "step than timed alone, whichever way they are timed).",
               "- The gloo event-loop threads of the executor's groups run under SCHED_BATCH "
               "(`flexflow.execute.batch_gloo_loops`). Before, a loop thread woken by a send preempted the "
               "sending rank inside the send, holding the pair's lock, and spun on it: one send in ten came "
