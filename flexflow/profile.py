@@ -248,11 +248,11 @@ def profile_partitions(items, device="cpu", repeats: int = 5, warmup: int = 1, g
     for i, (op, part) in enumerate(items):
         gen = torch.Generator(device=dev).manual_seed(seed)
         try:
-            ins, params = _make_inputs(op, part, dev, gen, graph)
+            run = _Run(op, part, *_make_inputs(op, part, dev, gen, graph))
         except Exception as e:  # noqa: BLE001 - reported for this item
             out[i] = e
             continue
-        live.append((i, _Run(op, part, ins, params)))
+        live.append((i, run))
     runs = dict(live)
     seq = list(range(len(items))) if order is None else list(order)
     started = None
