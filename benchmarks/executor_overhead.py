@@ -78,11 +78,10 @@ def batched_ddp(module):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from flexflow.execute import _threads, batch_gloo_loops
-    before = _threads()
-    group = dist.new_group(list(range(dist.get_world_size())))
-    dist.barrier(group=group)
-    batch_gloo_loops(_threads() - before)
+    from flexflow.execute import batched_gloo_loops
+    with batched_gloo_loops():
+        group = dist.new_group(list(range(dist.get_world_size())))
+        dist.barrier(group=group)
     return DDP(copy.deepcopy(module), process_group=group)
 
 

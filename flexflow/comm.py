@@ -82,10 +82,9 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup, fit=False):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from .execute import _threads, batch_gloo_loops
-    before = _threads()
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=nprocs)
-    batch_gloo_loops(_threads() - before)  # as the executor's groups run (execute.batch_gloo_loops)
+    from .execute import batched_gloo_loops
+    with batched_gloo_loops():  # as the executor's groups run (execute.batch_gloo_loops)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=nprocs)
     try:
         out = {"p2p": [], "allreduce": []}
         for size in sizes:  # ping-pong between ranks 0 and 1: one-way time = round trip / 2

@@ -64,6 +64,7 @@ not to the graph inputs.  The shapes are those of the traced example.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import operator
@@ -545,11 +546,6 @@ class Runtime:
         if not self.distributed or self.world == 1:
             return
         every = list(range(self.world))
-        before = _threads()
-        self.p2p_group = dist.new_group(every, timeout=self.timeout)
-        self.coll_group = dist.new_group(every, timeout=self.timeout)
-        if self.ride is not None:  # the ride bucket and its repairs only (see _GradSync)
-            self.ride_group = dist.new_group(every, timeout=self.timeout)
         keys = set()
         for view, shards, trainable in self.placement.values():
             if trainable:
@@ -557,15 +553,18 @@ class Runtime:
                     ranks = tuple(sorted(self.ranks[d] for d in s.devices))
                     if len(ranks) > 1:
                         keys.add(ranks)
-        for key in sorted(keys):
-            self.groups[key] = dist.new_group(list(key), timeout=self.timeout)
-        # one collective on each new group first (NCCL batched p2p needs it)
-        flag = torch.zeros(1, device=self.device)
-        for group in (self.p2p_group, self.coll_group, self.ride_group):
-            if group is not None:
-                dist.all_reduce(flag, group=group)
-        if not self.nccl:
-            self.batch_threads = batch_gloo_loops(_threads() - before)
+        with batched_gloo_loops() as self.batch_threads:  # (gloo's: see batch_gloo_loops)
+            self.p2p_group = dist.new_group(every, timeout=self.timeout)
+            self.coll_group = dist.new_group(every, timeout=self.timeout)
+            if self.ride is not None:  # the ride bucket and its repairs only (see _GradSync)
+                self.ride_group = dist.new_group(every, timeout=self.timeout)
+            for key in sorted(keys):
+                self.groups[key] = dist.new_group(list(key), timeout=self.timeout)
+            # one collective on each new group first (NCCL batched p2p needs it)
+            flag = torch.zeros(1, device=self.device)
+            for group in (self.p2p_group, self.coll_group, self.ride_group):
+                if group is not None:
+                    dist.all_reduce(flag, group=group)
 
     # -- communication ------------------------------------------------------
     def p2p(self, ops) -> list:
@@ -1085,6 +1084,17 @@ def batch_gloo_loops(tids) -> list:
         except OSError:  # gone, or not permitted: leave it as it is
             continue
     return moved
+
+
+@contextlib.contextmanager
+def batched_gloo_loops():
+    """Create process groups within it: at its end, the gloo event-loop threads that
+    appeared meanwhile are moved to ``SCHED_BATCH`` (:func:`batch_gloo_loops`); it
+    yields the list their ids go to."""
+    before = _threads()
+    moved: list = []
+    yield moved
+    moved.extend(batch_gloo_loops(_threads() - before))
 
 
 def _all_reduce(t: torch.Tensor, group):

@@ -235,7 +235,7 @@ def fit_figures(base, samples: dict, nprocs: int, profile: bool = True) -> dict:
             bw = _bisect(lambda x: -log_err(large, bw=x), *_BW_RANGE)
             lag_s = _bisect(lambda x: -log_err(small, LAGGED, lag=x) - log_err(large, LAGGED, lag=x),
                             _LAT_RANGE[0] * 1e-3, lat)
-            if lag_s <= _LAT_RANGE[0]:  # (the bisection's lower bound: none of it overlaps)
+            if lag_s <= _LAT_RANGE[0]:  # (below the smallest latency the fit takes: none overlaps)
                 lag_s = 0.0
             if abs(lat / lat0 - 1) < 1e-3 and abs(bw / bw0 - 1) < 1e-3 and abs(lag_s - lag0) <= 1e-3 * lat:
                 break

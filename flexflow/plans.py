@@ -72,9 +72,8 @@ class Context:
         self.comm_on_cores = bool(machine.spec.comm_on_cores)
         # a message's latency that holds no core (comm_on_cores): the transfer task holds its
         # devices for the rest, and its consumer starts this much after it (schedcore's LAG)
-        lag = float(machine.spec.message_lag_s) if self.comm_on_cores else 0.0
-        self.xfer_lag_s = lag if lag > 0 else 0.0
-        self.xfer_lag_ps = _ps(lag) if lag > 0 else 0
+        self.xfer_lag_s = float(machine.spec.message_lag_s) if self.comm_on_cores else 0.0
+        self.xfer_lag_ps = _ps(self.xfer_lag_s) if self.xfer_lag_s > 0 else 0
         ops = self.ops = graph.ops
         n = len(ops)
         if n >= 1 << _AB:

@@ -178,7 +178,8 @@ def profile_partition(op, part, device="cpu", repeats: int = 5, warmup: int = 1,
                       max_seconds: float = 2.0, seed: int = 0) -> tuple[float, float, int]:
     """Measure one partition of ``op``: (median forward_s, median backward_s, runs).
 
-    Forward is ``RULES[op.rule].compute``; backward is the gradient of the sum of its
+    Forward is the rule bound to the partition (``RULES[op.rule].bind``, what the
+    executor calls); backward is the gradient of the sum of its
     (grad-requiring) outputs w.r.t. the float inputs and parameters (0 when nothing
     needs one).  ``warmup`` runs (one more when the first is under 10 ms) are not
     counted; runs stop early after ``max_seconds`` once 3 were counted.  ``graph``
@@ -244,50 +245,43 @@ def profile_partitions(items, device="cpu", repeats: int = 5, warmup: int = 1, g
     dev = _torch_device(device)
     timer = _Timer(dev)
     out: list = [None] * len(items)
-    live = []
+    runs: dict = {}  # item index -> its _Run, while it is measured
     for i, (op, part) in enumerate(items):
         gen = torch.Generator(device=dev).manual_seed(seed)
         try:
-            run = _Run(op, part, *_make_inputs(op, part, dev, gen, graph))
+            runs[i] = _Run(op, part, *_make_inputs(op, part, dev, gen, graph))
         except Exception as e:  # noqa: BLE001 - reported for this item
             out[i] = e
-            continue
-        live.append((i, run))
-    runs = dict(live)
     seq = list(range(len(items))) if order is None else list(order)
     started = None
-    while live:
+    while runs:
         for i in seq:
             r = runs.get(i)
             if r is None:
                 continue
             try:
                 tf, tb = r.once(timer)
-            except RuntimeError as e:
-                if "in-place" in str(e) and not r.clone:
+            except Exception as e:  # noqa: BLE001 - reported for this item
+                if isinstance(e, RuntimeError) and "in-place" in str(e) and not r.clone:
                     r.clone, r.times, r.warm = True, [], 0
-                    continue
-                out[i] = e
-                live.remove((i, runs.pop(i)))
-                continue
-            except Exception as e:  # noqa: BLE001
-                out[i] = e
-                live.remove((i, runs.pop(i)))
+                else:
+                    out[i] = e
+                    del runs[i]
                 continue
             if not r.times:
                 r.warm = max(0, warmup) + (1 if warmup and tf + tb < 0.01 else 0)
             r.times.append((tf, tb))
-        if not live:
+        if not runs:
             break
-        low = min(r.counted for _, r in live)
+        low = min(r.counted for r in runs.values())
         if low >= 1 and started is None:
             started = time.perf_counter()
         if low >= max(1, repeats):
             break
         if low >= min(3, repeats) and started is not None and \
-                time.perf_counter() - started > max_seconds * len(live):
+                time.perf_counter() - started > max_seconds * len(runs):
             break
-    for i, r in live:
+    for i, r in runs.items():
         kept = r.times[r.warm:]
         out[i] = (statistics.median(t for t, _ in kept), statistics.median(t for _, t in kept), len(kept))
     return out

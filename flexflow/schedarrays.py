@@ -132,7 +132,8 @@ class TaskArrays:
         H[:n, RES1] = tg.RES1
         H[:n, PRIO] = [k >> TID_BITS for k in tg.KP]
         C[:n, ALIVE] = tg.ALIVE
-        C[:n, LAG] = self._lags(H[:n, PRIO])
+        if self.xfer_lag:  # (else every LAG stays 0)
+            C[:n, LAG] = self._lags(H[:n, PRIO])
         self.pred.set_all(C, tg.PRED)
         self.res.set_all(C, [r or () for r in tg.RESM])
         sg = self.succ
@@ -141,8 +142,6 @@ class TaskArrays:
 
     def _lags(self, prios: np.ndarray) -> np.ndarray:
         """The LAG column of tasks with priorities ``prios``: ``xfer_lag`` for transfers."""
-        if not self.xfer_lag:
-            return 0
         kinds = kind_of(prios)
         return np.where((kinds == XF) | (kinds == XB), self.xfer_lag, 0)
 
@@ -161,7 +160,8 @@ class TaskArrays:
             H[ids, DUR] = durs
             H[ids, RES1] = r1s
             H[ids, PRIO] = prios
-            C[ids, LAG] = self._lags(H[ids, PRIO])
+            if self.xfer_lag:
+                C[ids, LAG] = self._lags(H[ids, PRIO])
             C[ids, ALIVE] = 1
             C[ids, RLEN] = 0
             multi = [i for i, r in enumerate(rms) if r]  # (routes: the rare multi-resource tasks)
