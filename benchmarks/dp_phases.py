@@ -65,7 +65,7 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import flexflow.execute as E
+    import flexflow.runtime.execute as E
     from dp_steps import dp_setup
     module, inputs, strategy, half = dp_setup(rank, name, batch)
     marks: dict = {}

@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import flexflow as ff  # noqa: E402
 from flexflow.api import launch, parallelize  # noqa: E402
-from flexflow.machine import Machine  # noqa: E402
-from flexflow.strategy import Strategy  # noqa: E402
+from flexflow.hardware.machine import Machine  # noqa: E402
+from flexflow.strategy.strategy import Strategy  # noqa: E402
 
 CASES = [("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
 

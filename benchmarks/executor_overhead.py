@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 import flexflow as ff  # noqa: E402
 from flexflow.api import launch, parallelize  # noqa: E402
-from flexflow.machine import Machine  # noqa: E402
-from flexflow.strategy import Strategy  # noqa: E402
+from flexflow.hardware.machine import Machine  # noqa: E402
+from flexflow.strategy.strategy import Strategy  # noqa: E402
 
 # (zoo model, size, global batch)
 # (the transformer's batch differs from its sequence length 16: an axis as long as the
@@ -78,7 +78,7 @@ def batched_ddp(module):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from flexflow.execute import batched_gloo_loops
+    from flexflow.runtime.execute import batched_gloo_loops
     with batched_gloo_loops():
         group = dist.new_group(list(range(dist.get_world_size())))
         dist.barrier(group=group)
@@ -137,7 +137,7 @@ class _GlobalLoss(torch.nn.Module):
 
 def _profile_summary(prof, steps: int) -> dict:
     """Milliseconds per step in a few parts of the flexflow step (cProfile)."""
-    from flexflow import execute as ex
+    from flexflow.runtime import execute as ex
     st = pstats.Stats(prof)
 
     def code(fn):

@@ -109,7 +109,12 @@ def main(argv=None) -> int:
               "with NVIDIA GPUs and a CUDA build of torch", file=sys.stderr)
         return 2
     import flexflow as ff
-    from flexflow.profile import ProfileDB, device_kind_of, device_name, package_profile_path, profile_graph
+    from flexflow.cost.profile import (
+        ProfileDB,
+        device_kind_of,
+        device_name,
+        package_profile_path,
+        profile_graph)
 
     t_start = time.perf_counter()
     ngpus = torch.cuda.device_count()

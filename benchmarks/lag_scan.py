@@ -26,9 +26,9 @@ FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def scan(path: str, graphs: dict) -> list[str]:
     import flexflow as ff
-    from flexflow.comm import cpu_machine_from_figures
-    from flexflow.cost import CostModel
-    from flexflow.simulate import Simulator
+    from flexflow.calibrate.comm import cpu_machine_from_figures
+    from flexflow.cost.model import CostModel
+    from flexflow.sim.simulate import Simulator
     from real_speedup import build
     d = json.loads(Path(path).read_text())
     fig = d["summary"]["calibration"]

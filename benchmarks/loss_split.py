@@ -26,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import flexflow as ff  # noqa: E402
 from flexflow.api import launch, parallelize  # noqa: E402
-from flexflow.machine import Machine  # noqa: E402
-from flexflow.strategy import ParallelConfig, Strategy  # noqa: E402
+from flexflow.hardware.machine import Machine  # noqa: E402
+from flexflow.strategy.config import ParallelConfig
+from flexflow.strategy.strategy import Strategy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_steps import alternating_blocks  # noqa: E402

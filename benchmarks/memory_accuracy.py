@@ -32,9 +32,9 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import flexflow as ff
-from flexflow.machine import Machine
-from flexflow.simulate import Simulator
-from flexflow.strategy import Strategy
+from flexflow.hardware.machine import Machine
+from flexflow.sim.simulate import Simulator
+from flexflow.strategy.strategy import Strategy
 
 OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.01),
               "momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),

@@ -40,11 +40,12 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 
 import flexflow as ff  # noqa: E402
-from flexflow import comm  # noqa: E402
-from flexflow.cost import CostModel, fit_efficiency, fit_overhead, fit_rules, partition_flops  # noqa: E402
-from flexflow.machine import DeviceSpec  # noqa: E402
-from flexflow.profile import ProfileDB, device_name, key_str, profile_graph  # noqa: E402
-from flexflow.strategy import ParallelConfig, partitions  # noqa: E402
+from flexflow.calibrate import comm  # noqa: E402
+from flexflow.cost.model import CostModel, fit_efficiency, fit_overhead, fit_rules, partition_flops  # noqa: E402
+from flexflow.hardware.specs import DeviceSpec  # noqa: E402
+from flexflow.cost.profile import ProfileDB, device_name, key_str, profile_graph  # noqa: E402
+from flexflow.strategy.config import ParallelConfig
+from flexflow.strategy.regions import partitions  # noqa: E402
 
 ZOO = ["lenet", "alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "transformer"]
 QUICK_ZOO = ["lenet", "alexnet", "inception_v3", "rnnlm", "nmt", "transformer"]

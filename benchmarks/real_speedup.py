@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flexflow as ff  # noqa: E402
-from flexflow.cost import CostModel  # noqa: E402
+from flexflow.cost.model import CostModel  # noqa: E402
 from executor_overhead import _Trainer, batched_ddp  # noqa: E402
 
 

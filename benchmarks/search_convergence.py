@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import flexflow as ff
-from flexflow.cost import CostModel
+from flexflow.cost.model import CostModel
 from flexflow.search import BASELINES, baseline_strategies, search
-from flexflow.simulate import Simulator
+from flexflow.sim.simulate import Simulator
 
 NETWORKS = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt"]
 DEVICES = [16, 64]

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import flexflow as ff
-from flexflow.cost import CostModel
+from flexflow.cost.model import CostModel
 from flexflow.search import BASELINES, baseline_strategies, search
-from flexflow.strategy import strategy_space_log10
+from flexflow.strategy.candidates import strategy_space_log10
 
 NETWORKS = ["alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt"]
 CLUSTERS = {"p100-cluster": [4, 8, 16], "k80-cluster": [4, 8, 16, 64]}
@@ -99,7 +99,7 @@ def run_case(name: str, cluster: str, devices: int, budget_s: float, delta_evals
     cm = CostModel(machine)
     t = time.perf_counter()
     base = baseline_strategies(graph, machine, cm)  # OptCNN's DP is the costly part
-    from flexflow.simulate import Simulator
+    from flexflow.sim.simulate import Simulator
     bsim = Simulator(graph, machine, cm)
     base_res = {k: bsim.simulate(s, incremental=False) for k, s in base.items()}
     base_s = time.perf_counter() - t
@@ -156,7 +156,7 @@ def ps_case(graph, machine, cm, base, budget_s) -> dict:
     """The same case under the paper's sync model (``sync="ps"``: gradients gathered to one
     replica and sent back after the task graph, no overlap): data parallelism, and a search
     scored that way when ``budget_s`` is given."""
-    from flexflow.simulate import Simulator
+    from flexflow.sim.simulate import Simulator
     psim = Simulator(graph, machine, cm, sync="ps")
     dp = psim.simulate(base["data_parallel"], incremental=False)
     out = {"data_parallel": row(dp)}

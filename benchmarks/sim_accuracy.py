@@ -90,7 +90,7 @@ def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
     import torch
 
     import flexflow as ff
-    from flexflow.hostfit import timed_rounds
+    from flexflow.calibrate.hostfit import timed_rounds
     from real_speedup import build
     torch.set_num_threads(1)
     module, inputs = build(name, batch)
@@ -118,9 +118,9 @@ def main(argv=None) -> int:
     import torch
 
     import flexflow as ff
-    from flexflow.cost import CostModel
-    from flexflow.profile import calibrate_comm, profile_graph
-    from flexflow.simulate import Simulator
+    from flexflow.cost.model import CostModel
+    from flexflow.cost.profile import calibrate_comm, profile_graph
+    from flexflow.sim.simulate import Simulator
     torch.set_num_threads(1)
     t0 = time.time()
     figures = calibrate_comm(nprocs=NPROCS)

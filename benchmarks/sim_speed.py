@@ -39,12 +39,13 @@ import time
 from pathlib import Path
 
 import flexflow as ff
-from flexflow.cost import CostModel
-from flexflow.machine import Machine
-from flexflow.simulate import Simulator
-from flexflow.bound import LoadBound
-from flexflow.strategy import Strategy, candidate_configs
-from flexflow.taskkeys import PS
+from flexflow.cost.model import CostModel
+from flexflow.hardware.machine import Machine
+from flexflow.sim.simulate import Simulator
+from flexflow.sim.bound import LoadBound
+from flexflow.strategy.strategy import Strategy
+from flexflow.strategy.candidates import candidate_configs
+from flexflow.sim.taskkeys import PS
 
 CASES = [("p100-cluster", 4), ("p100-cluster", 16), ("k80-cluster", 16), ("k80-cluster", 64)]
 MODELS = ["inception_v3", "nmt"]

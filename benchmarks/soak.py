@@ -115,7 +115,7 @@ def worker(rank: int, case: dict):
     import copy
 
     import flexflow as ff
-    from flexflow.strategy import Strategy
+    from flexflow.strategy.strategy import Strategy
 
     torch.set_num_threads(1)
     module, batches = build(case["model"])

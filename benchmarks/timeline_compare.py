@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from real_speedup import build
     from sim_accuracy import CASES
-    from flexflow.cost import CostModel
+    from flexflow.cost.model import CostModel
     batch = a.batch or dict(CASES).get(a.model, 32)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

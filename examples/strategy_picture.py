@@ -9,7 +9,8 @@ baseline's config beside them.  Devices are grouped by node.
 """
 from __future__ import annotations
 
-from flexflow.strategy import _LETTER, partitions  # dim letters as ParallelConfig prints them
+from flexflow.strategy.config import _LETTER
+from flexflow.strategy.regions import partitions  # dim letters as ParallelConfig prints them
 
 __all__ = ["draw_strategy", "block_label", "split_label"]
 

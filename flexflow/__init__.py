@@ -8,22 +8,26 @@ parameter and operation parallelism) with MCMC scored by a task-graph
 simulator, and runs the chosen strategy with torch.distributed.
 """
 from . import models
-from .ir import Op, OpGraph
-from .machine import Machine
-from .strategy import ParallelConfig, Strategy, candidate_configs
-from .trace import TraceError, trace
-from .simulate import SimResult, Simulator
+from .cost.model import CostModel
+from .graph.ir import Op, OpGraph
+from .graph.trace import TraceError, trace
+from .hardware.machine import Machine
 from .search import SearchResult, search  # the function shadows the module name, on purpose
+from .sim.simulate import SimResult, Simulator
+from .strategy.candidates import candidate_configs
+from .strategy.config import ParallelConfig, StrategyError
+from .strategy.strategy import Strategy
 
 __all__ = ["models", "trace", "TraceError", "Op", "OpGraph", "Machine", "ParallelConfig",
-           "Strategy", "candidate_configs", "Simulator", "SimResult", "search", "SearchResult",
-           "parallelize", "launch"]
+           "Strategy", "StrategyError", "candidate_configs", "CostModel", "Simulator", "SimResult",
+           "search", "SearchResult", "parallelize", "ParallelModule", "launch", "LaunchError", "calibrate"]
 
-_LAZY = {"parallelize": "api", "launch": "api"}
+# the runtime (torch.distributed) loads on first use
+_LAZY = {"parallelize": "api", "ParallelModule": "runtime.module", "launch": "launch",
+         "LaunchError": "launch", "calibrate": "calibrate.host"}
 
 
 def __getattr__(name):
-    # the runtime (torch.distributed) loads on first use
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

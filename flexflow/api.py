@@ -1,4 +1,4 @@
-"""``parallelize`` and ``launch``: the user-facing entry points of the executor.
+"""``parallelize``: the user-facing entry point of the executor (``launch`` is in launch.py).
 
     def train(rank):
         module, batch = flexflow.models.get("alexnet", batch_size=64, size="small")
@@ -16,8 +16,8 @@
 (it traces, agrees on a strategy, and creates process groups).  Calls of the
 returned module's ``forward``/``backward``/``state_dict`` are collective too.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 import dataclasses
 import datetime
 import os
@@ -27,138 +27,29 @@ import socket
 import tempfile
 import time
 import traceback
-import warnings
 from collections import OrderedDict
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from . import settings
+from .graph.trace import trace
+from .hardware.machine import Machine
+from .runtime.execute import BUCKET_CAP_MB, REDUCE_OUTPUTS, Runtime, tensor_of
+from .runtime.program import check_programs, describe
+from .sim.memory import optimizer_state_copies
+from .strategy.config import StrategyError
+from .strategy.strategy import Strategy
+from .runtime.module import ParallelModule
 
-from .execute import BUCKET_CAP_MB, REDUCE_OUTPUTS, Runtime, tensor_of
-from .machine import Machine
-from .memory import optimizer_state_copies
-from .program import check_programs, describe
-from .strategy import Strategy, StrategyError
-from .trace import trace
+__all__ = ["parallelize", "ParallelModule", "default_timeout_s", "host_cost_model", "MIN_PREDICTED_GAIN", "PROFILE_SHARE"]
 
-__all__ = ["parallelize", "launch", "ParallelModule", "LaunchError", "default_timeout_s"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
 def default_timeout_s() -> float:
     """$FLEXFLOW_TIMEOUT_S, else 300 s: how long a rank waits for a peer before failing."""
-    env = os.environ.get("FLEXFLOW_TIMEOUT_S")
-    if env:
-        try:
-            value = float(env)
-        except ValueError:
-            raise ValueError(f"FLEXFLOW_TIMEOUT_S must be a number of seconds, got {env!r}") from None
-        if value > 0:
-            return value
-    return DEFAULT_TIMEOUT_S
-
-
-# --------------------------------------------------------------------------- the module
-class ParallelModule(nn.Module):
-    """The module returned by :func:`parallelize`.
-
-    ``forward`` takes the global inputs (the same on every rank) and returns
-    the module's outputs in full on every rank.  ``parameters()`` are this
-    rank's shards, named like the original's parameters (a top-level name
-    that clashes with an attribute of this class gets a trailing ``_``; a
-    rank holding no block has one empty parameter, ``_no_shard``, so that
-    optimizers accept the list).  ``state_dict()`` gathers full tensors keyed
-    like the original module's state_dict (every rank gets them;
-    collective); ``load_state_dict()`` takes such a dict on every rank and
-    keeps each rank's blocks.  ``train()``/``eval()`` also switch the
-    original module, whose Dropout and BatchNorm the ops read.
-    """
-
-    def __init__(self, module: nn.Module, runtime: Runtime):
-        super().__init__()
-        object.__setattr__(self, "_module", module)  # not a submodule: its tensors are not ours
-        object.__setattr__(self, "_runtime", runtime)
-        for qual, p in runtime.params.items():
-            owner, name = self._owner(qual)
-            owner.register_parameter(name, p)
-        for qual, b in runtime.buffers.items():
-            owner, name = self._owner(qual)
-            owner.register_buffer(name, b)
-        if not runtime.params:
-            # A rank that holds no parameter block still gets a (0-element) parameter,
-            # so that ``torch.optim.X(model.parameters())`` works on every rank.
-            self.register_parameter("_no_shard", nn.Parameter(torch.empty(0, device=runtime.device)))
-        self.train(module.training)
-
-    def _owner(self, qual: str):
-        *path, name = qual.split(".")
-        owner = self
-        if path and hasattr(type(self), path[0]) or not path and hasattr(type(self), name):
-            if path:
-                path[0] += "_"
-            else:
-                name += "_"
-        for part in path:
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]
-        return owner, name
-
-    @property
-    def original_module(self) -> nn.Module:
-        """The module given to parallelize (its parameters are not updated by
-        training: ``original_module.load_state_dict(model.state_dict())``)."""
-        return self._module
-
-    @property
-    def runtime(self) -> Runtime:
-        return self._runtime
-
-    @property
-    def strategy(self) -> Strategy:
-        return self._runtime.strategy
-
-    @property
-    def graph(self):
-        return self._runtime.graph
-
-    def program(self) -> str:
-        """This rank's program in words: what it runs, sends, waits for and reduces, in order."""
-        return describe(self._runtime)
-
-    def forward(self, *inputs, **kwargs):
-        return self._runtime.run(self._runtime.graph.flat_inputs(inputs, kwargs))
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self._module.train(mode)
-        return self
-
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """Full tensors keyed like the original module's state_dict (collective)."""
-        if args:  # the deprecated positional form (destination, prefix, keep_vars)
-            destination = args[0]
-            prefix = args[1] if len(args) > 1 else prefix
-        fulls = self._runtime.full_tensors()
-        by_id = {id(tensor_of(self._module, q)): q for q in fulls}
-        out = OrderedDict() if destination is None else destination
-        for key, t in self._module.state_dict(keep_vars=True).items():
-            q = by_id.get(id(t))
-            value = fulls[q].reshape(t.shape) if q is not None else t.detach()
-            out[prefix + key] = value.clone()
-        return out
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load full tensors (the original module's keys) and keep this rank's blocks."""
-        result = self._module.load_state_dict(state_dict, strict=strict)
-        self._runtime.load_from_module()
-        return result
-
-    def extra_repr(self) -> str:
-        rt = self._runtime
-        return (f"strategy={rt.strategy.name!r}, rank={rt.rank}, devices={rt.ranks}, "
-                f"exchanges={rt.num_exchanges}")
+    return settings.timeout_s()
 
 
 # --------------------------------------------------------------------------- parallelize
@@ -194,6 +85,9 @@ def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
     with exactly n devices.  Only the rank that searches calibrates a new host
     (``searching``); the others read the cached figures."""
     if nccl or searching:
+        if searching and not nccl:
+            from .calibrate.host import ensure_calibrated
+            ensure_calibrated()
         m = Machine.detect()
         if m.num_devices >= n and m.spec.backend == ("nccl" if nccl else "gloo"):
             return m.with_devices(n)
@@ -223,10 +117,10 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
     ``seconds`` (what the profile cache holds costs nothing); the analytic model,
     fitted to those measurements, prices what is left.  Otherwise the machine's
     profile where one exists (:meth:`CostModel.for_machine`)."""
-    from .cost import CostModel
-    from .profile import profile_graph
-    from .profiledb import ProfileDB, device_kind_of, device_name
-    from .strategy import candidate_configs
+    from .cost.model import CostModel
+    from .cost.profile import profile_graph
+    from .cost.profiledb import ProfileDB, device_kind_of, device_name
+    from .strategy.candidates import candidate_configs
     try:
         same = device_kind_of(device) == machine.spec.kind
     except RuntimeError:  # cuda asked for where there is none
@@ -257,8 +151,10 @@ def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd", devi
     With ``device``, the ops are profiled there first (:func:`host_cost_model`,
     within ``PROFILE_SHARE`` of the budget) and the search gets the rest;
     without, the search uses whatever profile of the machine is cached."""
-    from .search import search  # the module's function (flexflow.search is the function too)
-    from .cost import CostModel
+    from .cost.model import CostModel
+    from .search import (
+        search,  # the module's function (flexflow.search is the function too)
+    )
     t0 = time.perf_counter()
     if device is None:
         cm = CostModel.for_machine(machine)
@@ -475,161 +371,3 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                       bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
     check_programs(runtime)  # a mismatch between ranks is an error now, not a hang at the first step
     return ParallelModule(module, runtime)
-
-
-# --------------------------------------------------------------------------- launch
-class LaunchError(RuntimeError):
-    """One or more ranks of :func:`launch` failed; the message holds every rank's traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_entry(rank, nprocs, tmp, backend, timeout_s, port, fn, args):
-    """One rank of :func:`launch`.  It never reaches interpreter finalisation
-    (where a live gloo group can abort the process): on success it shuts
-    communication down cleanly and leaves with ``os._exit(0)``; on failure it
-    writes its traceback, drops its work objects without waiting on peers
-    that may be dead, and leaves with ``os._exit(1)``."""
-    import sys
-
-    from . import shutdown
-
-    _die_with_parent()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    os.environ["FLEXFLOW_TIMEOUT_S"] = str(timeout_s)
-    code = 0
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=rank,
-                                world_size=nprocs, timeout=datetime.timedelta(seconds=timeout_s))
-        result = fn(rank, *args)
-        try:
-            data = pickle.dumps(result)
-        except Exception:  # noqa: BLE001 - results are a convenience
-            data = pickle.dumps(None)
-        _write_atomic(os.path.join(tmp, f"rank{rank}.result"), data)
-        shutdown.shutdown()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        code = 1
-        try:
-            _write_atomic(os.path.join(tmp, f"rank{rank}.error"), traceback.format_exc().encode())
-        finally:
-            shutdown.abandon()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
-
-
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the launching process dies, so a
-    killed launcher leaves no orphan ranks behind (elsewhere: nothing)."""
-    try:
-        import ctypes
-        import signal
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
-def launch(fn, nprocs: int, *args, timeout_s: float | None = None, backend: str | None = None,
-           grace_s: float | None = None):
-    """Spawn ``nprocs`` local processes with a process group and run ``fn(rank, *args)`` in each.
-
-    gloo on CPU, NCCL (one GPU per rank) when CUDA has enough GPUs.  The
-    rendezvous is a fresh ``file://`` in a temporary folder.  Returns the
-    list of each rank's return value (None where it cannot be pickled).
-    When a rank fails, the others get ``grace_s`` (default 30 s, or
-    $FLEXFLOW_LAUNCH_GRACE_S) to fail or finish before they are stopped;
-    then :class:`LaunchError` is raised with every failed rank's traceback
-    (the first rank to fail is often not the one at fault).
-    ``fn`` must be importable (defined at module level): spawn pickles it.
-    """
-    import multiprocessing.connection
-    import torch.multiprocessing as mp
-
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s()
-    if grace_s is None:
-        grace_s = float(os.environ.get("FLEXFLOW_LAUNCH_GRACE_S", 30.0))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
-    tmp = tempfile.mkdtemp(prefix="flexflow-launch-")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = []
-    try:
-        for rank in range(nprocs):
-            p = ctx.Process(target=_launch_entry, name=f"flexflow-rank{rank}",
-                            args=(rank, nprocs, tmp, backend, timeout_s, port, fn, args))
-            p.start()
-            procs.append(p)
-        failed_at, stopped = None, []
-        while True:
-            alive = [p for p in procs if p.is_alive()]
-            if not alive:
-                break
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                for p in alive:
-                    stopped.append(procs.index(p))
-                    p.terminate()
-                for p in alive:
-                    p.join(5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join()
-                break
-            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.2)
-        results, reports = [], []
-        for rank, p in enumerate(procs):
-            p.join()
-            err_path = os.path.join(tmp, f"rank{rank}.error")
-            res_path = os.path.join(tmp, f"rank{rank}.result")
-            if os.path.exists(err_path):
-                with open(err_path) as f:
-                    reports.append(f"--- rank {rank} failed:\n{f.read().rstrip()}")
-            elif rank in stopped:
-                reports.append(f"--- rank {rank} was stopped: still running {grace_s:g} s after another "
-                               f"rank failed")
-            elif p.exitcode != 0:
-                reports.append(f"--- rank {rank} exited with code {p.exitcode} without a Python traceback")
-            result = None
-            if os.path.exists(res_path):
-                with open(res_path, "rb") as f:
-                    try:
-                        result = pickle.load(f)
-                    except Exception:  # noqa: BLE001
-                        result = None
-            results.append(result)
-        if reports:
-            failed = [r for r in range(nprocs) if os.path.exists(os.path.join(tmp, f"rank{r}.error"))]
-            head = (f"{len(reports)} of {nprocs} ranks failed"
-                    + (f" (tracebacks from ranks {failed})" if failed else ""))
-            raise LaunchError(head + "\n" + "\n".join(reports))
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)

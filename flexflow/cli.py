@@ -1,4 +1,4 @@
-"""The ``flexflow`` command line: models, trace, profile, simulate, search."""
+"""The ``flexflow`` command line: models, trace, calibrate, profile, simulate, search."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,6 @@ import json
 import math
 import os
 import sys
-import time
 
 __all__ = ["main", "load_model", "CLIError"]
 
@@ -63,14 +62,14 @@ def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True
 
 
 def _trace(module, inputs):
-    from .trace import trace
+    from .graph.trace import trace
     if isinstance(inputs, dict):
         return trace(module, (), inputs)
     return trace(module, inputs)
 
 
 def _machine(args):
-    from .machine import Machine
+    from .hardware.machine import Machine
     if args.machine.endswith(".json"):
         if not os.path.isfile(args.machine):
             raise CLIError(f"machine file {args.machine!r} does not exist")
@@ -102,8 +101,8 @@ def cmd_models(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from .machine import Machine
-    from .strategy import strategy_space_log10
+    from .hardware.machine import Machine
+    from .strategy.candidates import strategy_space_log10
     module, inputs, label = load_model(args.model, args.batch)
     graph = _trace(module, inputs)
     rows = []
@@ -171,15 +170,22 @@ def _calibration_text(res: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_calibrate(args) -> int:
+    from .calibrate.host import calibrate
+    if args.nprocs < 2:
+        raise CLIError(f"--nprocs must be at least 2 (messages need two processes), got {args.nprocs}")
+    res = calibrate(nprocs=args.nprocs)
+    if args.json:
+        print(json.dumps(res, default=str))
+    else:
+        print(_calibration_text(res))
+    return 0
+
+
 def cmd_profile(args) -> int:
-    from . import profile
-    if args.comm:
-        res = profile.calibrate_comm(nprocs=args.nprocs)
-        if args.json:
-            print(json.dumps(res, default=str))
-        else:
-            print(_calibration_text(res))
-        return 0
+    from .cost import profile
+    if args.comm:  # the older spelling of ``flexflow calibrate``
+        return cmd_calibrate(args)
     if args.model is None:
         raise CLIError("profile needs a MODEL (or --comm)")
     if args.device == "cuda":
@@ -199,7 +205,8 @@ def cmd_profile(args) -> int:
 
 
 def _strategy_arg(name, graph, machine):
-    from .strategy import Strategy, StrategyError
+    from .strategy.config import StrategyError
+    from .strategy.strategy import Strategy
     builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
                 "expert": Strategy.expert}
     if name in builtins:
@@ -251,7 +258,7 @@ def _memory_per_device(res) -> str:
 
 def cmd_simulate(args) -> int:
     machine = _machine(args)
-    from .simulate import Simulator
+    from .sim.simulate import Simulator
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
     graph = _trace(module, inputs)
     strategy = _strategy_arg(args.strategy, graph, machine)
@@ -270,7 +277,7 @@ def cmd_simulate(args) -> int:
 
 
 def _cost_model(machine):
-    from .cost import CostModel
+    from .cost.model import CostModel
     if hasattr(CostModel, "for_machine"):
         return CostModel.for_machine(machine)
     return CostModel(machine)
@@ -343,12 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_trace)
 
+    c = sub.add_parser("calibrate", help="measure this host's messages, collectives and compute once "
+                                         "(cached; Machine.detect() and the cpu preset read it)")
+    c.add_argument("--nprocs", type=int, default=2)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_calibrate)
+
     pr = sub.add_parser("profile", help="measure op times (cached on disk)")
     pr.add_argument("model", nargs="?")
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     pr.add_argument("--batch", type=int)
     pr.add_argument("--json", action="store_true")
-    pr.add_argument("--comm", action="store_true", help="calibrate gloo links between local processes")
+    pr.add_argument("--comm", action="store_true", help="the same as `flexflow calibrate`")
     pr.add_argument("--nprocs", type=int, default=2)
     pr.set_defaults(fn=cmd_profile)
 
@@ -379,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .strategy import StrategyError
-    from .trace import TraceError
+    from .graph.trace import TraceError
+    from .strategy.config import StrategyError
     try:
         return args.fn(args)
     except (CLIError, TraceError, StrategyError, ValueError, FileNotFoundError) as e:

@@ -98,7 +98,7 @@ def batch(b: int = 4, step: int = 0):
 def train_kwlm(rank: int, steps: int = 2):
     """2 SGD steps of KwLM under a random strategy; rank 0 also in one process."""
     import flexflow as ff
-    from flexflow.machine import Machine
+    from flexflow.hardware.machine import Machine
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

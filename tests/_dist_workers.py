@@ -20,9 +20,11 @@ import torch.nn.functional as F
 
 import flexflow as ff
 from flexflow.api import parallelize
-from flexflow.machine import Machine
+from flexflow.hardware.machine import Machine
 from flexflow.models._common import InputSpec, make_inputs
-from flexflow.strategy import ParallelConfig, Strategy, StrategyError, candidate_configs
+from flexflow.strategy.config import ParallelConfig, StrategyError
+from flexflow.strategy.strategy import Strategy
+from flexflow.strategy.candidates import candidate_configs
 
 LR = 0.01
 STEPS = 3
@@ -442,7 +444,7 @@ def faulty(rank: int, how: str, timeout_s: float, ckpt: str):
 def mismatched_programs(rank: int):
     """Programs that match pass the setup check; then rank 0 drops a send from its
     plan and the check must fail on every rank, naming the message."""
-    from flexflow.program import ProgramMismatch, check_programs, describe
+    from flexflow.runtime.program import ProgramMismatch, check_programs, describe
 
     module, example, model = _lenet_model_parallel()
     text = model.program()

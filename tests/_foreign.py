@@ -189,7 +189,7 @@ def train_equal(rank: int, names, specs, batch: int = 4, steps: int = 2):
     import torch.distributed as dist
 
     import flexflow as ff
-    from flexflow.machine import Machine
+    from flexflow.hardware.machine import Machine
 
     torch.set_num_threads(1)
     world = dist.get_world_size()

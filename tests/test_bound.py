@@ -6,15 +6,15 @@ import random
 import pytest
 
 import flexflow as ff
-from flexflow.bound import LoadBound
-from flexflow.cost import CostModel
-from flexflow.machine import Machine
+from flexflow.sim.bound import LoadBound
+from flexflow.cost.model import CostModel
+from flexflow.hardware.machine import Machine
 from flexflow.search import search
 from flexflow.search.common import _Space
 from flexflow.search.mcmc import _propose
-from flexflow.simulate import Simulator
-from flexflow.strategy import Strategy
-from flexflow.taskkeys import PS
+from flexflow.sim.simulate import Simulator
+from flexflow.strategy.strategy import Strategy
+from flexflow.sim.taskkeys import PS
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_a_hopeless_start_is_screened_not_simulated(graphs, monkeypatch):
     """A random start whose load bound is already more than 1.5x another start's cost would
     begin at the best start anyway: the screen settles it without building its (large) task
     graph, and the chain is the one an unscreened search follows."""
-    import flexflow.simulate as sim_mod
+    import flexflow.sim.simulate as sim_mod
     g = graphs["inception_v3"]
     m = Machine.preset("k80-cluster", devices=8)
     simulated = []

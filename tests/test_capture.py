@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import flexflow as ff
-from flexflow.localrun import run_graph
-from flexflow.trace import TraceError
+from flexflow.strategy.localrun import run_graph
+from flexflow.graph.trace import TraceError
 
 import _capture_models as C
 

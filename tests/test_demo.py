@@ -3,7 +3,7 @@ import os
 import sys
 
 import flexflow as ff
-from flexflow.strategy import partitions
+from flexflow.strategy.regions import partitions
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 

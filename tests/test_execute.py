@@ -28,8 +28,9 @@ import torch
 import _dist_workers as W
 import flexflow as ff
 from flexflow.api import LaunchError, launch, parallelize
-from flexflow.machine import Machine
-from flexflow.strategy import Strategy, StrategyError
+from flexflow.hardware.machine import Machine
+from flexflow.strategy.strategy import Strategy
+from flexflow.strategy.config import StrategyError
 
 TOL = 1e-5
 ZOO = ["lenet", "alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt", "transformer"]
@@ -235,9 +236,9 @@ def test_an_index_of_a_region_is_one_index_of_the_held_tensor():
     """x[:, t] of a partition's region runs as the module's own index: the region
     and the index composed, not a slice and then an index (one op, one backward
     node per time step of an unrolled nn.LSTMCell loop)."""
-    from flexflow.ops import RULES
-    from flexflow.ops.catalog import index_attrs
-    from flexflow.ir import Op
+    from flexflow.graph.ops import RULES
+    from flexflow.graph.ops.nodes import index_attrs
+    from flexflow.graph.ir import Op
 
     x = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
     rule = RULES["index"]

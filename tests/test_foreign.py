@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flexflow as ff
-from flexflow.localrun import run_graph
+from flexflow.strategy.localrun import run_graph
 
 import _foreign as Fo
 

@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from flexflow import hostfit
-from flexflow.comm import cpu_machine_from_figures
-from flexflow.cost import CostModel
-from flexflow.simulate import Simulator
-from flexflow.trace import trace
+from flexflow.calibrate import hostfit
+from flexflow.calibrate.comm import cpu_machine_from_figures
+from flexflow.cost.model import CostModel
+from flexflow.sim.simulate import Simulator
+from flexflow.graph.trace import trace
 
 FIGURES = {"nprocs": 2, "cores": 2, "exchange_s": 80e-6, "latency_s": 40e-6, "bandwidth_Bps": 3e9,
            "allreduce_latency_s": 300e-6, "allreduce_bandwidth_Bps": 1e9, "sync_skew": 0.2,
@@ -75,7 +75,7 @@ def test_output_sync_replaces_the_loss_all_reduce_latency():
     """A calibrated ``output_sync_s`` is what returning the loss adds to a step, in place of
     one all-reduce latency among all devices; it round-trips through the machine JSON and
     changes the fingerprint."""
-    from flexflow.machine import Machine
+    from flexflow.hardware.machine import Machine
     base = cpu_machine_from_figures(FIGURES, devices=2)
     module, inputs = hostfit.build(64, 32)
     graph = trace(module, inputs)
@@ -99,7 +99,7 @@ def test_the_loss_rides_on_data_parallel_gradients_only():
     for returning the loss; under "eager" it pays ``output_sync_s``.  Strategies that
     exchange activations, or hold everything on one device, pay it either way."""
     import flexflow as ff
-    from flexflow.strategy import Strategy
+    from flexflow.strategy.strategy import Strategy
     base = cpu_machine_from_figures(FIGURES, devices=2)
     m = hostfit._machine(base, 80e-6, 300e-6, 0.0, None, 70e-6)
     module, inputs = ff.models.get("lenet", batch_size=8, size="small", device="meta")
@@ -121,7 +121,7 @@ def test_the_loss_rides_on_data_parallel_gradients_only():
 def test_a_failed_fit_keeps_the_micro_figures(monkeypatch):
     """When the calibration chains did not run on some rank, or the fit fails, the
     calibration warns and keeps the micro-benchmark figures (nothing is lost)."""
-    from flexflow import comm
+    from flexflow.calibrate import comm
     figs = dict(FIGURES, samples={})
     with pytest.warns(UserWarning, match="keeping the micro-benchmark figures"):
         comm._fit_or_keep(figs, [{"steps": {}}, {"steps": None, "steps_error": "OSError: boom"}], 2)

@@ -5,8 +5,9 @@ import types
 
 import pytest
 
-from flexflow.comm import cache_dir, calibrate_gloo, cpu_machine_file, write_cpu_machine_file
-from flexflow.machine import CALIBRATION_VERSION, GPU_SPECS, DeviceSpec, Link, LinkSpec, Machine
+from flexflow.calibrate.comm import cache_dir, calibrate_gloo, cpu_machine_file, write_cpu_machine_file
+from flexflow.hardware.machine import CALIBRATION_VERSION, Machine
+from flexflow.hardware.specs import GPU_SPECS, DeviceSpec, Link, LinkSpec
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,12 @@ import dataclasses
 import torch
 
 import flexflow as ff
-from flexflow.comm import write_cpu_machine_file
-from flexflow.cost import CostModel
-from flexflow.ir import Op
-from flexflow.machine import Machine
-from flexflow.opcount import eager_op_counts
-from flexflow.strategy import partitions
+from flexflow.calibrate.comm import write_cpu_machine_file
+from flexflow.cost.model import CostModel
+from flexflow.graph.ir import Op
+from flexflow.hardware.machine import Machine
+from flexflow.graph.opcount import eager_op_counts
+from flexflow.strategy.regions import partitions
 
 
 def _graph(name="rnnlm"):

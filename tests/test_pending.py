@@ -1,7 +1,7 @@
 """Outputs returned before their all-reduce completes wait at first read."""
 import torch
 
-from flexflow.pending import Once, pending
+from flexflow.runtime.pending import Once, pending
 
 
 def _make():

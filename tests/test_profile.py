@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 
 import flexflow as ff
-from flexflow import profile as prof
-from flexflow import profiledb
-from flexflow.cost import CostModel, fit_efficiency, fit_rules, partition_flops
-from flexflow.localrun import whole_config
-from flexflow.profile import ProfileDB, device_kind_of, device_name, key_str, profile_graph
-from flexflow.strategy import partitions
+from flexflow.cost import profile as prof
+from flexflow.cost import profiledb
+from flexflow.cost.model import CostModel, fit_efficiency, fit_rules, partition_flops
+from flexflow.strategy.localrun import whole_config
+from flexflow.cost.profile import ProfileDB, device_kind_of, device_name, key_str, profile_graph
+from flexflow.strategy.regions import partitions
 
 
 @pytest.fixture(autouse=True)
@@ -323,7 +323,7 @@ def test_device_kinds():
 # ---- profiling before a search (parallelize) -----------------------------------------------
 def test_host_cost_model_profiles_what_the_search_may_choose(cache):
     from flexflow.api import host_cost_model
-    from flexflow.strategy import candidate_configs
+    from flexflow.strategy.candidates import candidate_configs
     g = _small("lenet")
     machine = ff.Machine.preset("cpu", devices=2)
     cm, rep = host_cost_model(g, machine, "cpu", seconds=60.0)
@@ -367,7 +367,7 @@ def test_cost_key_follows_input_gradients_set_after_the_first_key():
 
 
 def test_ops_alike_share_candidate_configs():
-    from flexflow.strategy import _CANDIDATES, candidate_configs
+    from flexflow.strategy.candidates import _CANDIDATES, candidate_configs
     g = ff.trace(*ff.models.get("rnnlm", size="small", device="meta"))
     m = ff.Machine.preset("cpu", devices=4)
     cells = [op for op in g.compute_ops if op.name.startswith("cells_")]

@@ -14,14 +14,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flexflow as ff
-from flexflow.cost import CostModel
-from flexflow.machine import Machine
+from flexflow.cost.model import CostModel
+from flexflow.hardware.machine import Machine
 from flexflow.models._common import make_inputs
 from flexflow.models.rnn import RNNLM, rnnlm_config
-from flexflow.search import (BASELINES, SearchError, _Bound, _OptCNN, _Space, exhaustive_search,
-                             is_local_optimum, optcnn, optcnn_cost, search)
-from flexflow.simulate import Simulator
-from flexflow.strategy import Strategy, candidate_configs
+from flexflow.search import (
+    BASELINES,
+    SearchError,
+    _Bound,
+    _OptCNN,
+    _Space,
+    exhaustive_search,
+    is_local_optimum,
+    optcnn,
+    optcnn_cost,
+    search)
+from flexflow.sim.simulate import Simulator
+from flexflow.strategy.strategy import Strategy
+from flexflow.strategy.candidates import candidate_configs
 
 D = 4
 
@@ -289,7 +299,7 @@ def test_search_pauses_the_collector_and_restores_it(lenet, p100, monkeypatch):
     also after a failure, and stays off where it was off."""
     import gc
 
-    import flexflow.simulate as sim_mod
+    import flexflow.sim.simulate as sim_mod
     seen = []
     real = sim_mod.Simulator._simulate_gc  # (outside the simulation's own pause)
 

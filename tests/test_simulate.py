@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import flexflow as ff
-from flexflow.cost import CostModel
-from flexflow.machine import Machine
-from flexflow.simulate import SimResult, Simulator
-from flexflow.strategy import ParallelConfig, Strategy, candidate_configs, partitions
-from flexflow.taskgraph import TaskGraph
+from flexflow.cost.model import CostModel
+from flexflow.hardware.machine import Machine
+from flexflow.sim.simulate import SimResult, Simulator
+from flexflow.strategy.config import ParallelConfig
+from flexflow.strategy.strategy import Strategy
+from flexflow.strategy.candidates import candidate_configs
+from flexflow.strategy.regions import partitions
+from flexflow.sim.taskgraph import TaskGraph
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +328,7 @@ def test_parameter_server_sync_comes_after_the_task_graph(lenet):
     """sync="ps": every replica but the first sends each gradient to the first and gets the
     values back, one transfer after another, after the rest of the step; nothing to sync,
     nothing added."""
-    from flexflow.taskgraph import PS
+    from flexflow.sim.taskgraph import PS
     m = Machine.preset("k80-cluster", devices=4)
     sim = Simulator(lenet, m, sync="ps")
     r = sim.simulate(Strategy.data_parallel(lenet, m), incremental=False)
@@ -422,8 +425,8 @@ def test_comm_on_cores_holds_both_ends_and_adds_collective_latency(lenet):
     receiver busy for its duration (so the devices' busy time grows by exactly those
     transfers and all-reduces), and each gradient bucket's and the loss all-reduce's latency adds to the step
     (the loss's only where it does not ride on the gradients)."""
-    from flexflow.cost import GRAD_BUCKET_BYTES
-    from flexflow.taskkeys import SYNC, XB, XF, decode_prio
+    from flexflow.cost.model import GRAD_BUCKET_BYTES
+    from flexflow.sim.taskkeys import SYNC, XB, XF, decode_prio
     on, off = _on_cores(4)
     assert on.fingerprint() != off.fingerprint() and Machine.from_json(on.to_json()) == on
     s = Strategy(lenet, dict(Strategy.random(lenet, off, 7).items()))  # for either machine
@@ -502,8 +505,8 @@ def test_message_lag_frees_the_cores_and_delays_the_consumer(lenet):
     """With ``message_lag_s``, a transfer holds its devices for its latency less the lag, and
     its consumer starts no earlier than the lag after the transfer ends; the devices' busy
     time drops by the lag per transfer (and here the step gets shorter)."""
-    from flexflow.schedcore import PLEN, POFF
-    from flexflow.taskkeys import XB, XF, decode_prio
+    from flexflow.sim.schedcore import PLEN, POFF
+    from flexflow.sim.taskkeys import XB, XF, decode_prio
     lag = 120e-6
     on, lagged = _on_cores(4)[0], _lagged(lag=lag)
     assert "message_lag_s" not in on.to_dict()["device"] and Machine.from_json(lagged.to_json()) == lagged
@@ -544,8 +547,8 @@ def test_ops_of_one_kind_share_plans_and_give_what_their_own_plans_give(nmt_smal
     """Unrolled steps of a recurrent layer are one kind (``Context.kind``): they share their
     templates and transfer geometry.  Every plan so shared equals the plan computed for the op
     alone (partitions, times, transfers, priorities), over random configs."""
-    from flexflow.plans import Context
-    from flexflow.taskkeys import XB, XF, _prio
+    from flexflow.sim.plans import Context
+    from flexflow.sim.taskkeys import XB, XF, _prio
     machine = Machine.preset("p100-cluster", devices=4)
     cm = CostModel(machine)
     shared = Context(nmt_small, machine, cm)
@@ -586,8 +589,8 @@ def test_ready_queue_dequeues_in_ready_priority_id_order():
     priorities, tasks on several resources, a delta run from the middle."""
     import heapq
     from types import SimpleNamespace
-    from flexflow.schedarrays import TaskArrays
-    from flexflow.taskkeys import TID_BITS
+    from flexflow.sim.schedarrays import TaskArrays
+    from flexflow.sim.taskkeys import TID_BITS
 
     def reference(tg, R):
         n = len(tg.DUR)

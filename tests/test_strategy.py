@@ -10,9 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flexflow as ff
-from flexflow.localrun import run_graph
-from flexflow.strategy import (ParallelConfig, Strategy, StrategyError, candidate_configs,
-                               param_placement, partitions, strategy_space_log10)
+from flexflow.strategy.localrun import run_graph
+from flexflow.strategy.config import ParallelConfig, StrategyError
+from flexflow.strategy.strategy import Strategy
+from flexflow.strategy.candidates import candidate_configs, strategy_space_log10
+from flexflow.strategy.regions import param_placement, partitions
 
 P100_4 = ff.Machine.preset("p100-cluster", devices=4)
 P100_16 = ff.Machine.preset("p100-cluster", devices=16)
@@ -265,7 +267,8 @@ def test_replicated_placement():
     """{"r": k}: k whole copies; data parallelism replicates what reads only
     constants (the transformer's position embedding) so that nothing travels
     for it, and its gradients are all-reduced among the copies."""
-    from flexflow.strategy import REPLICA, canonical_partitions, pick_replica
+    from flexflow.strategy.config import REPLICA
+    from flexflow.strategy.regions import canonical_partitions, pick_replica
     module, inputs = ff.models.get("transformer", size="small", batch_size=6)
     module.eval()
     g = ff.trace(module, inputs)

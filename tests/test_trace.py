@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flexflow as ff
-from flexflow.localrun import run_graph
+from flexflow.strategy.localrun import run_graph
 
 
 @pytest.mark.parametrize("name", ff.models.names())

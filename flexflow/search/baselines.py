@@ -1,8 +1,8 @@
 """The baselines a search is compared with: data parallel, model parallel, expert, OptCNN."""
 from __future__ import annotations
 
-from ..ir import OpGraph
-from ..strategy import Strategy
+from ..graph.ir import OpGraph
+from ..strategy.strategy import Strategy
 from .common import Candidates
 from .optcnn import optcnn
 

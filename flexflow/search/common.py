@@ -8,8 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..ir import Op, OpGraph
-from ..strategy import ParallelConfig, Strategy, candidate_configs
+from ..graph.ir import Op, OpGraph
+from ..strategy.candidates import candidate_configs
+from ..strategy.config import ParallelConfig
+from ..strategy.strategy import Strategy
 
 __all__ = ["SearchError", "SearchResult", "BASELINES"]
 
@@ -24,7 +26,9 @@ class SearchError(ValueError):
 
 def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring",
                reduce_outputs: str = "with_gradients"):
-    from ..simulate import Simulator  # imported late: simulate imports nothing from here
+    from ..sim.simulate import (
+        Simulator,  # imported late: simulate imports nothing from here
+    )
     return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync, reduce_outputs=reduce_outputs)
 
 

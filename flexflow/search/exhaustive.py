@@ -5,11 +5,21 @@ import math
 
 import numpy as np
 
-from ..cost import CostModel
-from ..ir import Op, OpGraph, dtype_bytes
-from ..ops.base import region_numel
-from ..strategy import ParallelConfig, Strategy, overlap, partitions
-from .common import _REL, Candidates, SearchError, _better, _penalised, _Space, _simulator
+from ..cost.model import CostModel
+from ..graph.ir import Op, OpGraph, dtype_bytes
+from ..graph.ops.base import region_numel
+from ..strategy.config import ParallelConfig
+from ..strategy.regions import overlap, partitions
+from ..strategy.strategy import Strategy
+from .common import (
+    _REL,
+    Candidates,
+    SearchError,
+    _better,
+    _penalised,
+    _simulator,
+    _Space,
+)
 
 __all__ = ["exhaustive_search"]
 

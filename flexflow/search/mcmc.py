@@ -7,15 +7,24 @@ import random
 import time
 import warnings
 
-from ..bound import LoadBound
-from ..cost import CostModel
-from ..ir import OpGraph
-from ..simulate import deferred_collections
-from ..strategy import Strategy
-from ..taskkeys import PS
+from ..cost.model import CostModel
+from ..graph.ir import OpGraph
+from ..sim.bound import LoadBound
+from ..sim.simulate import deferred_collections
+from ..sim.taskkeys import PS
+from ..strategy.strategy import Strategy
 from .baselines import baseline_strategies
-from .common import (BASELINES, Candidates, SearchError, SearchResult, _better, _penalised, _Run, _Space,
-                     _simulator)
+from .common import (
+    BASELINES,
+    Candidates,
+    SearchError,
+    SearchResult,
+    _better,
+    _penalised,
+    _Run,
+    _simulator,
+    _Space,
+)
 
 __all__ = ["search", "is_local_optimum"]
 

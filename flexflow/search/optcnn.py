@@ -6,9 +6,11 @@ import math
 
 import numpy as np
 
-from ..cost import CostModel
-from ..ir import Op, OpGraph, dtype_bytes
-from ..strategy import ParallelConfig, Strategy, partitions
+from ..cost.model import CostModel
+from ..graph.ir import Op, OpGraph, dtype_bytes
+from ..strategy.config import ParallelConfig
+from ..strategy.regions import partitions
+from ..strategy.strategy import Strategy
 from .common import Candidates, SearchError, _Space
 
 __all__ = ["optcnn", "optcnn_cost"]

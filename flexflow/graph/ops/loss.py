@@ -1,0 +1,201 @@
+"""Losses (cross-entropy, NLL; element-wise losses such as MSE) and opaque ops.
+
+A loss with reduction 'mean' or 'sum' returns a scalar: its sample dim is a
+reduction dim, each partition computes a partial sum (already divided by
+the global count for 'mean') and the partials add up to the loss."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..ir import Dim, Op
+from .base import (
+    Block,
+    Rule,
+    batch_dim,
+    block_range,
+    call_template,
+    flatten,
+    leaves,
+    reduced_axis,
+    register,
+)
+
+
+@register("loss")
+class Loss(Rule):
+    def dims(self, op: Op, batch):
+        if not op.attrs.get("splittable", True):
+            return []
+        tshape = op.input_shapes[1]
+        reduced = op.attrs["reduction"] != "none"
+        dims = []
+        for axis, size in enumerate(tshape):
+            if size <= 1:
+                continue
+            out_axis = None if reduced else axis
+            if axis == 0:
+                dims.append(batch_dim(out_axis, size, batch))
+            else:
+                dims.append(Dim("s" if axis == 1 else f"s{axis}", "attribute", out_axis, size))
+        return dims
+
+    def _target_region(self, op, block):
+        tshape = op.input_shapes[1]
+        by_axis = {}
+        for d in op.dims:
+            by_axis[d.axis if d.axis is not None else reduced_axis(d.name)] = block_range(op, block, d.name)
+        return tuple(slice(*by_axis.get(a, (0, s))) for a, s in enumerate(tshape))
+
+    def regions(self, op: Op, block: Block):
+        t = self._target_region(op, block)
+        x = (t[0], slice(0, op.input_shapes[0][1])) + t[1:]
+        # a 'mean' divides by the number of targets that are not ignore_index:
+        # every partition reads the whole target to count them
+        whole_t = tuple(slice(0, s) for s in op.input_shapes[1])
+        ins = [x, whole_t if op.attrs["reduction"] == "mean" else t] + [tuple(slice(0, s) for s in shp) for shp in op.input_shapes[2:]]
+        return ins, {}
+
+    def compute(self, op, block, inputs, params):
+        return self.bind(op, block)(inputs, params)
+
+    def bind(self, op, block):
+        red = op.attrs["reduction"]
+        fn = F.nll_loss if op.attrs["fn"] == "nll" else F.cross_entropy
+        ignore = op.attrs.get("ignore_index", -100)
+        t_region = self._target_region(op, block)
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(t_region, op.input_shapes[1]))
+        if red == "none" or (red == "mean" and whole):  # the whole mean: as the module computes it
+            return lambda inputs, params: fn(inputs[0], inputs[1], reduction=red, ignore_index=ignore)
+        if red == "sum":
+            return lambda inputs, params: fn(inputs[0], inputs[1], reduction="sum", ignore_index=ignore)
+
+        def partial_mean(inputs, params):
+            # this block's share of the mean: its sum over the count of the whole target
+            total = fn(inputs[0], inputs[1][t_region], reduction="sum", ignore_index=ignore)
+            return total / (inputs[1] != ignore).sum()
+        return partial_mean
+
+    def flops(self, op, block):
+        t = self._target_region(op, block)
+        return 4.0 * math.prod(s.stop - s.start for s in t) * op.input_shapes[0][1]
+
+    def backward_factor(self, op):
+        return 1.0
+
+
+# element-wise losses of (input, target) of one shape, as their functionals take them:
+# name -> (position of ``reduction``, {argument that must be None: position},
+#          {keyword the rule passes on: (position, default)})
+_OLD = {"size_average": 2, "reduce": 3}  # the deprecated pair, after (input, target)
+POINTWISE_LOSSES = {
+    "mse_loss": (4, {**_OLD, "weight": 5}, {}),
+    "l1_loss": (4, {**_OLD, "weight": 5}, {}),
+    "smooth_l1_loss": (4, _OLD, {"beta": (5, 1.0)}),
+    "huber_loss": (2, {"weight": 4}, {"delta": (3, 1.0)}),
+    "soft_margin_loss": (4, _OLD, {}),
+    "kl_div": (4, _OLD, {"log_target": (5, False)}),
+    "binary_cross_entropy": (5, {"weight": 2, "size_average": 3, "reduce": 4}, {}),
+    "binary_cross_entropy_with_logits": (5, {"weight": 2, "size_average": 3, "reduce": 4, "pos_weight": 6}, {}),
+}
+
+
+@register("pointwise_loss")
+class PointwiseLoss(Rule):
+    """A loss that is a sum (or mean) of one term per element of its input, such as
+    ``mse_loss``: every axis of the input splits, the batch axis being the sample dim.
+    Reduced ('mean', 'sum', kl_div's 'batchmean'), every dim is a reduction dim and
+    the partitions hold partial sums, each already divided by the whole input's size
+    for 'mean' (its batch for 'batchmean'); with 'none' the output is split like the
+    input."""
+
+    def dims(self, op: Op, batch):
+        reduced = op.attrs["reduction"] != "none"
+        dims = []
+        for axis, size in enumerate(op.input_shapes[0]):
+            if size <= 1:
+                continue
+            out_axis = None if reduced else axis
+            dims.append(batch_dim(out_axis, size, batch) if axis == 0
+                        else Dim(f"e{axis}", "attribute", out_axis, size))
+        return dims
+
+    def _region(self, op, block):
+        by_axis = {reduced_axis(d.name) if d.axis is None else d.axis: block_range(op, block, d.name)
+                   for d in op.dims}
+        return tuple(slice(*by_axis.get(a, (0, s))) for a, s in enumerate(op.input_shapes[0]))
+
+    def regions(self, op: Op, block: Block):
+        r = self._region(op, block)
+        return [r, r], {}
+
+    def compute(self, op, block, inputs, params):
+        return self.bind(op, block)(inputs, params)
+
+    def bind(self, op, block):
+        fn = getattr(F, op.attrs["fn"])
+        kw = dict(op.attrs.get("keywords", ()))
+        red = op.attrs["reduction"]
+        r = self._region(op, block)
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(r, op.input_shapes[0]))
+        if red == "none" or red == "sum" or whole:
+            return lambda inputs, params: fn(inputs[0], inputs[1], reduction=red, **kw)
+        # 'batchmean' (kl_div) divides by the batch, 'mean' by every element
+        count = op.input_shapes[0][0] if red == "batchmean" else math.prod(op.input_shapes[0])
+
+        def partial_mean(inputs, params):  # this block's share of the mean
+            return fn(inputs[0], inputs[1], reduction="sum", **kw) / count
+        return partial_mean
+
+    def flops(self, op, block):
+        r = self._region(op, block)
+        return 4.0 * math.prod(s.stop - s.start for s in r)
+
+    def backward_factor(self, op):
+        return 1.0
+
+
+def _sized_by_batch(op: Op, batch: int) -> bool:
+    """An ATen op (export front end) whose literal arguments hold a size that
+    counts the batch (``new_ones(x, [B, L])``, ``view(x, [B * L, C])``), or
+    that reads a second tensor (index tensors hold absolute positions): on a
+    block of samples it could compute something else, so it runs whole."""
+    if not isinstance(op.target, torch._ops.OpOverload):
+        return False
+    if len(op.inputs) != 1:
+        return True
+    ints = [v for v in leaves((op.args, op.kwargs)) if isinstance(v, int) and not isinstance(v, bool)]
+    return any(v >= batch and v % batch == 0 for v in ints)
+
+
+@register("opaque")
+class Opaque(Rule):
+    """An op the library does not know: split along the sample dim (when its
+    output and inputs carry the batch on axis 0) or run whole."""
+
+    def dims(self, op: Op, batch):
+        shape = op.output_shape
+        if (op.attrs.get("packed") or not shape or batch is None or shape[0] != batch
+                or batch <= 1 or _sized_by_batch(op, batch)):
+            return []
+        return [Dim("n", "sample", 0, batch)]
+
+    def regions(self, op: Op, block: Block):
+        ins, ps = super().regions(op, block)
+        if "n" in block:
+            a, b = block["n"]
+            batch = op.output_shape[0]
+            ins = [(slice(a, b),) + r[1:] if len(r) and shp[0] == batch else r
+                   for r, shp in zip(ins, op.input_shapes)]
+        return ins, ps
+
+    def compute(self, op, block, inputs, params):
+        out = call_template(op, inputs, params)
+        if op.attrs.get("packed"):
+            return torch.cat([t.reshape(-1) for t in flatten(out)])
+        if op.attrs.get("stacked"):
+            return torch.stack(list(out))
+        return out
+

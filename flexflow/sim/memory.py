@@ -1,0 +1,282 @@
+"""Per-device memory of one training step, by liveness.
+
+Every device runs the ops it holds partitions of in one global order: the forward in
+topological order, the backward in reverse, then the optimizer step.  Position ``o`` is op
+o's forward, ``2n - 1 - o`` its backward, ``2n`` the update (n = ops in the graph).  A tensor
+lives over an inclusive range of positions; a device's peak is the largest sum of what lives
+at one position.  What lives (bytes are sizes of the regions :func:`partitions` gives):
+
+- parameters and buffers of the shards a device holds, and optimizer state (``sgd``: none,
+  ``momentum``: one copy, ``adam``: two copies of every trainable shard), the whole step;
+- graph inputs and constants a device reads, the whole step;
+- an op's output, from its forward to its last use: the last forward that reads it, or the
+  backward of the last op that saves it (``_SAVES``: which inputs each op kind keeps for its
+  backward, whether it keeps its output, and what more it keeps -- max-pool indices, dropout
+  masks, the log-softmax of a loss, an LSTM cell's gates).  Views (flatten, getitem,
+  transpose, view) own no storage: they keep their source alive as long as they are used;
+- input regions received from other devices, like an output of the receiving op;
+- the gradient of an op's output, from the backward of its last consumer to its own
+  backward; every other consumer's contribution is a transient at that consumer's backward;
+- parameter gradients, from the backward of the parameters' last user to the update;
+- communication buffers: the executor flattens a bucket of replicated gradients into one
+  buffer for the all-reduce, a transient of those bytes where the bucket is complete;
+- transients inside an op (an LSTM cell's two gate products before they are added, the
+  gradient of a loss's log-softmax) and the optimizer step's temporaries (Adam: two
+  copies of the largest shard, one at a time, on CPUs; one copy of every shard at once where
+  the optimizer runs multi-tensor kernels, on GPUs).
+
+Everything here is a function of the strategy alone, never of the schedule, so a delta
+simulation and a full one give the same figures.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph.ir import dtype_bytes
+from ..graph.ops.base import region_numel
+from ..strategy.regions import partitions
+
+__all__ = ["OPTIMIZERS", "optimizer_state_copies", "Liveness"]
+
+# optimizer kind -> optimizer-state copies per trainable parameter
+OPTIMIZERS = {"sgd": 0, "momentum": 1, "adam": 2}
+
+VIEWS = frozenset({"flatten", "view", "reshape", "transpose", "permute", "getitem", "squeeze",
+                   "unsqueeze", "expand", "unflatten", "narrow", "select"})
+
+
+def optimizer_state_copies(optimizer: str) -> int:
+    """Optimizer-state copies per trainable parameter; a clear error for an unknown kind."""
+    try:
+        return OPTIMIZERS[optimizer]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of "
+                         f"{', '.join(OPTIMIZERS)}") from None
+
+
+class _Saves:
+    """What an op kind keeps for its backward (from PyTorch's derivative formulas).
+
+    inputs: indices of the inputs it saves ("all": every tensor input);
+    output: it saves its output;
+    extra: (factor, per) -- more saved bytes: factor x the bytes of ``per`` ("out": the
+        output, "in0": input 0's region); ``itemsize`` replaces the dtype size when set;
+    fwd_temp / bwd_temp: transients of its forward / backward, in the same units."""
+
+    __slots__ = ("inputs", "output", "extra", "itemsize", "fwd_temp", "bwd_temp")
+
+    def __init__(self, inputs=(), output=False, extra=(0.0, "out"), itemsize=None,
+                 fwd_temp=(0.0, "out"), bwd_temp=(0.0, "out")):
+        self.inputs, self.output, self.extra, self.itemsize = inputs, output, extra, itemsize
+        self.fwd_temp, self.bwd_temp = fwd_temp, bwd_temp
+
+
+_SAVES = {
+    "conv2d": _Saves(inputs=(0,)), "conv1d": _Saves(inputs=(0,)),
+    "linear": _Saves(inputs=(0,)),
+    "batch_norm": _Saves(inputs=(0,)), "layer_norm": _Saves(inputs=(0,)),
+    "relu": _Saves(output=True), "sigmoid": _Saves(output=True), "tanh": _Saves(output=True),
+    "softmax": _Saves(output=True), "log_softmax": _Saves(output=True),
+    "gelu": _Saves(inputs=(0,)),
+    "max_pool2d": _Saves(inputs=(0,), extra=(1.0, "out"), itemsize=8),  # int64 indices
+    "max_pool1d": _Saves(inputs=(0,), extra=(1.0, "out"), itemsize=8),
+    "avg_pool2d": _Saves(inputs=(0,)), "adaptive_avg_pool2d": _Saves(inputs=(0,)),
+    "avg_pool1d": _Saves(inputs=(0,)),
+    "dropout": _Saves(extra=(1.0, "out"), itemsize=1),  # bool mask
+    # log_softmax of the logits is kept; its gradient is a transient of the backward
+    "cross_entropy": _Saves(extra=(1.0, "in0"), bwd_temp=(1.0, "in0")),
+    # composite cell: gates (4H) and tanh(c') (H) kept, out = (h', c') = 2H; the two gate
+    # products (2 x 4H) live until they are added; the backward's gate gradients likewise
+    "lstm_cell": _Saves(inputs="all", extra=(2.5, "out"), fwd_temp=(4.0, "out"),
+                        bwd_temp=(4.0, "out")),
+    "bmm": _Saves(inputs="all"), "matmul": _Saves(inputs="all"),
+    "embedding": _Saves(), "add": _Saves(), "sub": _Saves(), "cat": _Saves(), "stack": _Saves(),
+    "contiguous": _Saves(), "masked_fill": _Saves(), "neg": _Saves(),
+    "mul": _Saves(inputs="all"), "div": _Saves(inputs="all"),
+}
+_OPAQUE = _Saves(inputs="all")
+_NOTHING = _Saves()
+_BINARY = frozenset({"mul", "div"})  # by a scalar they keep nothing
+
+
+def _saves(op) -> _Saves:
+    if op.kind in _BINARY and len(op.inputs) < 2:
+        return _NOTHING
+    return _SAVES.get(op.kind, _OPAQUE)
+
+
+class Liveness:
+    """Static liveness structure of a graph and the memory events of ops and clusters.
+
+    ``op_events(o, cfg)`` -> (positions, rows): +row at each allocation, -row one position
+    after each last use; cached per (op, the configs it depends on).  ``dependents[v]``: ops
+    whose events depend on v's config (v, its consumers, the ops it reads through views)."""
+
+    def __init__(self, ctx, optimizer: str):
+        self.ctx = ctx
+        self.optimizer = optimizer
+        self.state_copies = optimizer_state_copies(optimizer)
+        ops, n = ctx.ops, len(ctx.ops)
+        self.n = n
+        self.npos = 2 * n + 2
+        self.update_pos = 2 * n
+        self.view = [op.kind in VIEWS and not op.everywhere and len(ctx.inputs[o]) >= 1
+                     for o, op in enumerate(ops)]
+        self.rg = [False] * n  # output requires grad
+        for o, op in enumerate(ops):
+            if not op.everywhere:
+                self.rg[o] = bool(op.params) or any(self.rg[u] for u in ctx.inputs[o])
+        # uses of each storage owner: (consumer, input index, consumer reads the owner
+        # directly or through views) reached through chains of views
+        self.uses: list[list] = [[] for _ in ops]
+        for o in ctx.compute:
+            if self.view[o]:
+                continue
+            stack = [o]
+            while stack:
+                x = stack.pop()
+                for v, j in ctx.cons[x]:
+                    self.uses[o].append((v, j))
+                    if self.view[v]:
+                        stack.append(v)
+        self.dependents = [{v} for v in range(n)]
+        for o in ctx.compute:
+            for u in ctx.producers[o]:
+                self.dependents[u].add(o)
+            for v, _ in self.uses[o]:
+                self.dependents[v].add(o)
+        self.dependents = [sorted(x) for x in self.dependents]
+        self.use_ops = [sorted({v for v, _ in us}) for us in self.uses]
+        self._rows: dict = {}
+        self._rowkey = [(o,) if ctx.kind[o] < 0 else
+                        (ctx.kind[o],) + tuple((ctx.everywhere[u], str(ops[u].dtype)) for u in ctx.inputs[o])
+                        for o in range(n)]
+        self._ev: dict = {}
+        self._foreach = [d.spec.kind.lower() != "cpu" for d in ctx.machine.devices]
+
+    # ---- per-device byte rows of one op under one config --------------------------------
+    def rows(self, o: int, cfg):
+        """(output, input-0 region, graph inputs read) bytes per device; devices mask.
+        Cached per (the op's geometry kind, which of its inputs are graph inputs and their
+        element types, config): the ops of one kind share them (the steps of an unrolled
+        recurrence, the blocks of a stack)."""
+        key = (self._rowkey[o], cfg)
+        r = self._rows.get(key)
+        if r is not None:
+            return r
+        ctx, D = self.ctx, self.ctx.D
+        op = ctx.ops[o]
+        out, in0, gin = np.zeros(D, np.int64), np.zeros(D, np.int64), np.zeros(D, np.int64)
+        on = np.zeros(D, bool)
+        bpe = dtype_bytes(op.dtype)
+        for p in partitions(op, cfg):
+            d = p.device
+            on[d] = True
+            out[d] += region_numel(p.output) * bpe
+            for j, reg in enumerate(p.inputs):
+                if reg is None:
+                    continue
+                u = ctx.inputs[o][j]
+                nb = region_numel(reg) * dtype_bytes(ctx.ops[u].dtype)
+                if j == 0:
+                    in0[d] += nb
+                if ctx.everywhere[u]:
+                    gin[d] += nb
+        r = self._rows[key] = (out, in0, gin, on)
+        return r
+
+    # ---- events -------------------------------------------------------------------------
+    def op_events(self, o: int, cfg: list):
+        """Memory events of op o; ``cfg``: op index -> config."""
+        ctx = self.ctx
+        key = (o, cfg[o]) + tuple(cfg[u] for u in ctx.producers[o]) + tuple(cfg[v] for v in self.use_ops[o])
+        ev = self._ev.get(key)
+        if ev is not None:
+            return ev
+        ops, n = ctx.ops, self.n
+        op = ops[o]
+        sv = _saves(op)
+        out, in0, gin, on = self.rows(o, cfg[o])
+        unit = {"out": out, "in0": in0}
+        F, B = o, 2 * n - 1 - o
+        pos, rows = [], []
+
+        def live(a, b, row):  # row lives over positions a..b (inclusive)
+            if row.any():
+                pos.append(a)
+                rows.append(row)
+                pos.append(b + 1)
+                rows.append(-row)
+
+        live(0, self.update_pos, gin)
+        rg = self.rg
+        if not self.view[o]:
+            # the output (storage owner): its last forward read, its last saving backward
+            last_f = max([F] + [v for v, _ in self.uses[o]])
+            keep = np.full(ctx.D, last_f, np.int64)
+            if not self.uses[o]:
+                keep[:] = B  # the loss: kept until the backward starts from it
+            if sv.output and rg[o]:
+                np.maximum(keep, B, out=keep)
+            for v, j in self.uses[o]:
+                s = _saves(ops[v])
+                if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
+                    _, _, _, von = self.rows(v, cfg[v])
+                    np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
+            for f in sorted(set(keep[on].tolist())):
+                live(F, f, np.where(on & (keep == f), out, 0))
+            if sv.extra[0]:
+                x = unit[sv.extra[1]] * sv.extra[0]
+                if sv.itemsize:
+                    x = x * sv.itemsize / dtype_bytes(op.dtype)
+                live(F, B, x.astype(np.int64))
+            if rg[o] and self.uses[o]:
+                # gradient of the output: from the first backward that produces it
+                grads = sorted({v for v, _ in self.uses[o] if not self.view[v]}, reverse=True)
+                if grads:
+                    live(2 * n - 1 - grads[0], B, out)
+                    for v in grads[1:]:
+                        live(2 * n - 1 - v, 2 * n - 1 - v, out)
+        if sv.fwd_temp[0]:
+            live(F, F, (unit[sv.fwd_temp[1]] * sv.fwd_temp[0]).astype(np.int64))
+        if sv.bwd_temp[0] and rg[o]:
+            live(B, B, (unit[sv.bwd_temp[1]] * sv.bwd_temp[0]).astype(np.int64))
+        # input regions received from other devices (and their gradients, sent back)
+        saved_in = sv.inputs
+        for j in ctx.ext_inputs[o]:
+            u = ctx.inputs[o][j]
+            recv = ctx.edge_plan(u, o, j, cfg[u], cfg[o]).recv
+            if not recv.any():
+                continue
+            keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in)
+            live(F, B if keeps else F, recv)
+            if rg[u]:
+                live(B, B, recv)
+        ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
+        self._ev[key] = ev
+        return ev
+
+    def cluster_events(self, c: int, cp):
+        """Events of a parameter cluster's plan ``cp``: parameters, buffers and optimizer
+        state the whole step, gradients from the last user's backward, the all-reduce
+        buffer at the first user's backward."""
+        n = self.n
+        us, _ = self.ctx.clusters[c]
+        pos, rows = [0, self.npos - 1], [cp.mem, -cp.mem]
+        g0 = 2 * n - 1 - max(us)
+        pos += [g0, self.npos - 1]
+        rows += [cp.grad, -cp.grad]
+        b = 2 * n - 1 - min(us)
+        pos += [b, b + 1]
+        rows += [cp.synced, -cp.synced]
+        return np.array(pos, np.int64), np.stack(rows)
+
+    def update_temp(self, maxshard: np.ndarray, train: np.ndarray) -> np.ndarray:
+        """Temporaries of the optimizer step per device, from per-cluster rows of the largest
+        trainable shard and the trainable bytes (each (clusters, devices))."""
+        D = self.ctx.D
+        if self.optimizer != "adam" or not len(maxshard):
+            return np.zeros(D, np.int64)
+        single = 2 * maxshard.max(0)
+        multi = train.sum(0)
+        return np.where(self._foreach, multi, single)

@@ -1,0 +1,370 @@
+"""Task graph: an OpGraph under a Strategy, timed by a CostModel, as tasks on devices and links.
+
+Tasks (the paper's task graph, section 5):
+
+- ``fwd`` / ``bwd``: one of each per partition of every placed op, on the partition's device.
+  Chains of ops with the same config where each partition only reads the matching partition of
+  the previous op (conv -> batch_norm -> relu under the same split) are fused into one unit:
+  one fwd and one bwd task per partition, the members' times summed.
+- ``xfer`` / ``xfer-grad``: for every (producer partition q, consumer partition k) on different
+  devices whose regions overlap, the overlap (``overlap(k.inputs[i], q.output)`` elements x the
+  producer's dtype bytes) moves q -> k after q's forward and before k's; its gradient moves
+  back k -> q between the two backwards.  Partial producers send their overlap too (the
+  consumer adds the partials).  A transfer holds every link of ``machine.route`` at once for
+  ``machine.transfer_time_s``.
+- ``sync``: per trainable parameter shard (``param_placement``) held by more than one device, a
+  ring all-reduce among exactly its devices once every backward using it on them is done; it
+  holds the ring's links (``machine.allreduce_links``) for ``machine.allreduce_time_s`` and
+  overlaps the remaining backward work.  With ``sync="ps"`` (the paper's runtime, for
+  side-by-side figures only) the sync task takes no time and each replicated gradient costs a
+  transfer from every other replica to the first and one back, after the task graph.
+- ``update``: per unit and device, the optimizer update of the trainable shards whose
+  parameters the unit uses first (memory bound: (3 + 2 x optimizer copies) x bytes / memory
+  bandwidth + one launch per shard), after their syncs (or their last backward when unsynced).
+
+Memory: every op and parameter cluster adds allocation/free events to ``MEMDIFF`` (positions x
+devices; see ``memory.py``); ``memory_peak()`` is the per-device peak.
+
+Same-device producer/consumer pairs are plain dependencies; a backward that nothing flows back
+into follows its own forward.  ``op.everywhere`` ops (graph inputs, constants) have no tasks.
+Regions come only from :func:`flexflow.strategy.partitions` and
+:func:`flexflow.strategy.param_placement`.
+
+Times are integer picoseconds, so sums are exact and a delta simulation reproduces a full one
+bit for bit.  Tasks live in flat lists indexed by task id; every task has a canonical priority
+(op index, kind, input, partitions) that breaks ties the same way however the graph was built.
+:meth:`TaskGraph.patch` edits the graph in place for a strategy that differs in a few ops and
+says which tasks died, changed or were born (the delta simulation in ``simulate.py``).
+
+Modules: ``taskkeys.py`` (kinds, priorities, picoseconds), ``plans.py`` (the cached per-config
+plans of a :class:`Context`), ``taskpatch.py`` (task allocation and the delta patch), this one
+(building the task arrays).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .plans import Context
+from .schedcore import prefix_peak
+from .taskkeys import KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, decode_prio
+from .taskpatch import _Patching
+
+__all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
+
+
+class TaskGraph(_Patching):
+    """Flat task arrays for one strategy; :meth:`patch` moves it to a nearby strategy.
+
+    Ops are grouped into units: a chain u -> v fuses when v reads only u (one input edge
+    besides graph inputs), u feeds only v, both have the same config and every partition of v
+    reads exactly the output of u's partition with the same index on the same device.  A
+    unit has one fwd and one bwd task per partition (the members' times summed); only its
+    head has input edges and only its tail has output edges."""
+
+    def __init__(self, ctx: Context, strategy):
+        self.ctx = ctx
+        n, nc = len(ctx.ops), len(ctx.clusters)
+        # task arrays (index = task id)
+        self.DUR: list[int] = []
+        self.RES1: list[int] = []      # the single resource, or -1
+        self.RESM: list = []           # tuple of resources when several (inter-node, ring)
+        self.KP: list[int] = []        # prio << TID_BITS | tid
+        self.PRED: list = []
+        self.ALIVE: list[bool] = []
+        # what changed since the scheduler's arrays last mirrored the lists (take_touched)
+        self._killed: set = set()
+        self._repred: set = set()
+        self._newcols = ([], [], [], [], [])  # ids, durations, single resources, routes, priorities
+        self._free: list[int] = []
+        self._born: list[int] = []
+        self._dead: list[int] = []
+        self.cfg = [None] * n
+        self.unit = [-1] * n       # op -> head op of its unit
+        self.members = [None] * n  # head -> member ops in order
+        self.tmpl = [None] * n
+        self.FT = [None] * n       # op -> fwd task per partition (shared by a unit's members)
+        self.BT = [None] * n
+        self.EDGES = [None] * n    # o -> per input j: [(q, k, xf, xb)] for unit-external edges, else None
+        self.EPLAN = [None] * n
+        self.SYNCT = [None] * nc   # cluster -> sync task per plan entry
+        self.CPLAN = [None] * nc
+        self.UPDT = [None] * n     # head -> {device: tid}
+        D, R = ctx.D, ctx.R
+        self.OPBUSY = np.zeros((n, R), np.int64)
+        self.OPCOMM = np.zeros(n, np.int64)
+        self.UBUSY = np.zeros((n, D), np.int64)  # update tasks, per unit head
+        self.CLMAXSH = np.zeros((nc, D), np.int64)  # largest trainable shard per cluster
+        self.CLTRAIN = np.zeros((nc, D), np.int64)  # trainable bytes per cluster
+        # memory by liveness: allocations (+) and frees (-) per position and device
+        self.MEMDIFF = np.zeros((ctx.live.npos, D), np.int64)
+        self.MEV = [None] * n      # op -> its memory events (positions, rows)
+        self.CEV = [None] * nc     # cluster -> its memory events
+        self.CLBUSY = np.zeros((nc, R), np.int64)
+        self.CLSYNC = np.zeros(nc, np.int64)
+        self.CLPS = np.zeros(nc, np.int64)  # parameter-server sync picoseconds (sync="ps")
+        # running column sums of the rows above (a delta patch adds each changed row's
+        # difference, so a result needs no sum over every op): ops' busy time per resource,
+        # clusters' busy time, update tasks' per device, activation and sync bytes
+        self.OPSUM = np.zeros(R, np.int64)
+        self.CLSUM = np.zeros(R, np.int64)
+        self.USUM = np.zeros(D, np.int64)
+        self.comm_sum = self.sync_sum = 0
+        self.strategy = strategy
+        comp = ctx.compute
+        ops = ctx.ops
+        self._bulk = []  # priorities of the tasks allocated so far
+        for o in comp:
+            self.cfg[o] = strategy[ops[o].name]
+        self._form_units(comp)
+        heads = [o for o in comp if self.unit[o] == o]
+        for h in heads:
+            self._make_unit(h)
+        for o in comp:
+            self.EDGES[o] = [None] * len(ctx.inputs[o])
+            self.EPLAN[o] = [None] * len(ctx.inputs[o])
+            for j in ctx.ext_inputs[o]:
+                self._make_edge(o, j, False)
+        for c in range(nc):
+            self._make_syncs(c, False)
+        if nc:
+            cps = self.CPLAN
+            self.CLMAXSH[:] = np.stack([cp.maxshard for cp in cps])
+            self.CLTRAIN[:] = np.stack([cp.grad for cp in cps])
+            self.CLBUSY[:] = np.stack([cp.busy for cp in cps])
+            self.CLSYNC[:] = [cp.sync_bytes for cp in cps]
+            self.CLPS[:] = [cp.ps_ps for cp in cps]
+        for h in heads:
+            self._make_updates(h, False)
+        nt = len(self.DUR)
+        if nt > TID_MASK:
+            raise ValueError("too many tasks for the simulator")
+        self.KP = [p << TID_BITS | t for t, p in enumerate(self._bulk)]
+        self._bulk = None
+        self.ALIVE = [True] * nt
+        PRED = self.PRED
+        for h in heads:
+            for t, p in zip(self.FT[h], self._f_preds(h)):
+                PRED[t] = p
+            for t, p in zip(self.BT[h], self._b_preds(h)):
+                PRED[t] = p
+        if comp:
+            rows = [self._row(o) for o in comp]
+            self.OPBUSY[comp] = np.stack([r[0] for r in rows])
+            self.OPCOMM[comp] = [r[1] for r in rows]
+        live, cfg = ctx.live, self.cfg
+        evs = [live.op_events(o, cfg) for o in comp]
+        evs += [live.cluster_events(c, self.CPLAN[c]) for c in range(nc)]
+        for o, ev in zip(comp, evs):
+            self.MEV[o] = ev
+        for c in range(nc):
+            self.CEV[c] = evs[len(comp) + c]
+        if evs:
+            np.add.at(self.MEMDIFF, np.concatenate([e[0] for e in evs]), np.concatenate([e[1] for e in evs]))
+        self.OPSUM[:] = self.OPBUSY.sum(0)
+        self.CLSUM[:] = self.CLBUSY.sum(0)
+        self.USUM[:] = self.UBUSY.sum(0)
+        self.comm_sum, self.sync_sum = int(self.OPCOMM.sum()), int(self.CLSYNC.sum())
+        self._born.clear()
+
+    # ---- building blocks ------------------------------------------------------------------
+    def _fusable(self, v: int) -> bool:
+        ctx, cfg = self.ctx, self.cfg
+        ext = ctx.ext_inputs[v]
+        if len(ext) != 1:
+            return False
+        j = ext[0]
+        u = ctx.inputs[v][j]
+        if len(ctx.cons[u]) != 1 or (cfg[u] is not cfg[v] and cfg[u] != cfg[v]):
+            return False
+        return ctx.fusable(v, cfg[v])
+
+    def _form_units(self, ops: list[int]) -> None:
+        """Units over ``ops`` (topological order, closed under fusion)."""
+        unit, members, inputs, ext = self.unit, self.members, self.ctx.inputs, self.ctx.ext_inputs
+        for v in ops:
+            if self._fusable(v):
+                h = unit[inputs[v][ext[v][0]]]
+                unit[v] = h
+                members[h].append(v)
+            else:
+                unit[v] = v
+                members[v] = [v]
+
+    def _make_unit(self, h: int) -> None:
+        ctx, cfg = self.ctx, self.cfg[h]
+        ms = self.members[h]
+        ts, fwd, bwd = ctx.unit_template(tuple(ms), cfg)
+        tmpl = self.tmpl
+        for o, t in zip(ms, ts):
+            tmpl[o] = t
+        t = ts[0]
+        nones, fp, bp = ctx.unit_prios(h, len(t.devs))
+        ft = self._alloc(fwd, t.devs, nones, fp)
+        bt = self._alloc(bwd, t.devs, nones, bp)
+        for o in ms:
+            self.FT[o], self.BT[o] = ft, bt
+
+    def _make_edge(self, o: int, j: int, link: bool) -> None:
+        """The transfers of input j of o if it crosses units (else record None)."""
+        ctx = self.ctx
+        u = ctx.inputs[o][j]
+        if self.unit[u] == self.unit[o]:
+            self.EDGES[o][j] = self.EPLAN[o][j] = None
+            return
+        plan = self.EPLAN[o][j] = ctx.edge_plan(u, o, j, self.cfg[u], self.cfg[o])
+        uF, uB, oF, oB = self.FT[u], self.BT[u], self.FT[o], self.BT[o]
+        rec = list(plan.direct)
+        if plan.xq:
+            xf = self._alloc(*plan.fcols)
+            xb = self._alloc(*plan.bcols)
+            PRED = self.PRED
+            for q, k, f, b in zip(plan.xq, plan.xk, xf, xb):
+                PRED[f], PRED[b] = (uF[q],), (oB[k],)
+                rec.append((q, k, f, b))
+            if link:  # (new tasks: their predecessors changed from none)
+                self._repred.update(xf)
+                self._repred.update(xb)
+        self.EDGES[o][j] = rec
+
+    def _make_syncs(self, c: int, link: bool) -> None:
+        ctx = self.ctx
+        cp = self.CPLAN[c] = ctx.cluster_plan(c, self.cfg)
+        BT, PRED, setp = self.BT, self.PRED, self._set_pred
+        st = self._alloc(*cp.cols)
+        multi = len(ctx.clusters[c][0]) > 1
+        for t, x in zip(st, cp.syncs):
+            pred = [BT[o][k] for o, k in x[6]]
+            if multi:
+                pred = list(dict.fromkeys(pred))
+            if link:
+                setp(t, pred)
+            else:
+                PRED[t] = tuple(pred)
+        self.SYNCT[c] = st
+        if link:  # (a full build fills these rows in one go)
+            self.CLMAXSH[c] = cp.maxshard
+            self.CLTRAIN[c] = cp.grad
+            self._set_events(self.CEV, c, self.ctx.live.cluster_events(c, cp))
+            self.CLSUM += cp.busy - self.CLBUSY[c]
+            self.CLBUSY[c] = cp.busy
+            self.sync_sum += int(cp.sync_bytes) - int(self.CLSYNC[c])
+            self.CLSYNC[c] = cp.sync_bytes
+            self.CLPS[c] = cp.ps_ps
+
+    def _make_updates(self, h: int, link: bool) -> None:
+        """One update task per device for the clusters first used by the unit's ops."""
+        cls = [c for o in self.members[h] for c in self.ctx.first_clusters[o]]
+        if not cls:
+            self.UPDT[h] = {}
+            self._set_ubusy(h, 0)
+            return
+        plans = tuple(self.CPLAN[c] for c in cls)
+        ds, durs, refs, row, nones, prios = self.ctx.update_plan(h, cls, plans)
+        tids = self._alloc(durs, ds, nones, prios)
+        PRED, setp, BT, SYNCT = self.PRED, self._set_pred, self.BT, self.SYNCT
+        for t, (srefs, brefs) in zip(tids, refs):
+            pred = [SYNCT[c][i] for c, i in srefs]
+            if brefs:
+                pred = list(dict.fromkeys(pred + [BT[o][k] for o, k in brefs]))
+            if link:
+                setp(t, pred)
+            else:
+                PRED[t] = tuple(pred)
+        self._set_ubusy(h, row)
+        self.UPDT[h] = dict(zip(ds, tids))
+
+    def _set_ubusy(self, h: int, row) -> None:
+        self.USUM -= self.UBUSY[h]
+        self.UBUSY[h] = row
+        self.USUM += self.UBUSY[h]
+
+    def _f_preds(self, h: int) -> list[tuple]:
+        """The predecessors of each fwd task of unit h, as tuples.  Where every input edge
+        of the unit is an identity (partition k reads partition k of the producer, on its
+        device: data parallelism's usual case) they are the producers' tasks side by side."""
+        EDGES, EPLAN, ins = self.EDGES, self.EPLAN, self.ctx.inputs
+        cols = []
+        for o in self.members[h]:
+            for j, rec in enumerate(EDGES[o]):
+                if rec is not None:
+                    if not EPLAN[o][j].identity:
+                        return [tuple(p) for p in self._f_pred(h)]
+                    cols.append(self.FT[ins[o][j]])
+        return list(zip(*cols)) if cols else [()] * len(self.FT[h])
+
+    def _b_preds(self, h: int) -> list[tuple]:
+        """The predecessors of each bwd task of unit h, as tuples (``_f_preds``'s shortcut
+        where every consumer edge is an identity)."""
+        EDGES, EPLAN = self.EDGES, self.EPLAN
+        cols = []
+        for o in self.members[h]:
+            for v, j in self.ctx.cons[o]:
+                rec = EDGES[v][j]
+                if rec is not None:
+                    if not EPLAN[v][j].identity:
+                        return [tuple(p) for p in self._b_pred(h)]
+                    cols.append(self.BT[v])
+        return list(zip(*cols)) if cols else [(f,) for f in self.FT[h]]
+
+    def _f_pred(self, h: int) -> list[list[int]]:
+        ctx = self.ctx
+        preds = [[] for _ in self.FT[h]]
+        for o in self.members[h]:
+            for j, rec in enumerate(self.EDGES[o]):
+                if rec is None:
+                    continue
+                uF = self.FT[ctx.inputs[o][j]]
+                for q, k, xf, _ in rec:
+                    preds[k].append(xf if xf >= 0 else uF[q])
+        return preds
+
+    def _b_pred(self, h: int) -> list[list[int]]:
+        preds = [[] for _ in self.BT[h]]
+        EDGES, BT = self.EDGES, self.BT
+        for o in self.members[h]:
+            for v, j in self.ctx.cons[o]:
+                rec = EDGES[v][j]
+                if rec is None:
+                    continue
+                vB = BT[v]
+                for q, k, _, xb in rec:
+                    preds[q].append(xb if xb >= 0 else vB[k])
+        for p, f in zip(preds, self.FT[h]):
+            if not p:  # nothing flows back into it: it follows its own forward
+                p.append(f)
+        return preds
+
+    def _row(self, o: int):
+        """(busy, comm bytes) rows of op o."""
+        t = self.tmpl[o]
+        busy, comm = t.busy, 0
+        for e in self.EPLAN[o]:
+            if e is not None and e.comm:
+                busy = busy + e.busy
+                comm += e.comm
+        return busy, comm
+
+    def _rows(self, o: int) -> None:
+        busy, comm = self._row(o)
+        self.OPSUM += busy - self.OPBUSY[o]
+        self.comm_sum += comm - int(self.OPCOMM[o])
+        self.OPBUSY[o], self.OPCOMM[o] = busy, comm
+
+    def _set_events(self, store: list, i: int, ev) -> None:
+        """Replace the memory events of op / cluster i (a delta patch)."""
+        old = store[i]
+        if old is ev:
+            return
+        diff = self.MEMDIFF
+        if old is not None and len(old[0]):
+            np.subtract.at(diff, old[0], old[1])
+        if len(ev[0]):
+            np.add.at(diff, ev[0], ev[1])
+        store[i] = ev
+
+    def memory_peak(self):
+        """Per-device peak bytes of the step (memory.py): the largest live sum over the
+        forward and backward positions, and the update with the optimizer's temporaries."""
+        live = self.ctx.live
+        peak, at_update = prefix_peak(self.MEMDIFF, live.update_pos)
+        return np.maximum(peak, at_update + live.update_temp(self.CLMAXSH, self.CLTRAIN))

@@ -1,0 +1,204 @@
+"""The SOAP strategy space: configs, strategies, and the one partition
+function everything else asks "which device holds which slice".
+
+A :class:`ParallelConfig` gives a degree per parallel dim and the device of
+each partition.  :func:`partitions` turns an (op, config) pair into the
+output region, input regions and parameter regions of every partition;
+:func:`param_placement` derives from the same regions which devices hold
+which parameter block and so which devices all-reduce which gradients.
+The simulator, the memory estimate and the executor all use these two.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..graph.ir import Op, OpGraph
+from ..graph.ops import RULES
+from ..graph.ops.base import out_region, region_numel
+from .config import REPLICA, ParallelConfig, StrategyError
+
+__all__ = ['Partition', 'validate_config', 'partitions', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap']
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition of an op under a config: its block and regions."""
+
+    index: int
+    device: int
+    block: dict  # dim -> (start, stop)
+    output: tuple  # region of the op's output
+    inputs: tuple  # region of each tensor input (None: not needed)
+    params: dict  # param or buffer local name -> region in its view shape
+    partial: bool  # a reduction dim is split: output holds a partial sum
+
+    @property
+    def output_numel(self) -> int:
+        return region_numel(self.output)
+
+
+def validate_config(op: Op, config: ParallelConfig, num_devices: int | None = None) -> None:
+    """Raise StrategyError naming the op when ``config`` does not fit it."""
+    dims = {d.name: d for d in op.dims}
+    degrees = config.degrees
+    if REPLICA in degrees and len(degrees) > 1:
+        raise StrategyError(f"{op.describe()}: a replicated config ({REPLICA}) cannot also split dims "
+                            f"{sorted(k for k in degrees if k != REPLICA)}")
+    for name, deg in degrees.items():
+        if name == REPLICA:
+            continue
+        if name not in dims:
+            raise StrategyError(f"{op.describe()}: cannot split dim {name!r}; its parallel dims are "
+                                f"{list(dims) or 'none (it runs whole on one device)'}")
+        if deg > dims[name].size:
+            raise StrategyError(f"{op.describe()}: cannot split dim {name!r} of size "
+                                f"{dims[name].size} into {deg} parts (output shape {op.output_shape})")
+    if num_devices is not None and any(d >= num_devices for d in config.devices):
+        raise StrategyError(f"{op.describe()}: config {config} uses device "
+                            f"{max(config.devices)} but the machine has {num_devices} devices")
+
+
+def partitions(op: Op, config: ParallelConfig) -> list[Partition]:
+    """Every partition of ``op`` under ``config``, partition k on devices[k].
+
+    Blocks are near-equal (sizes differ by at most one); partitions are
+    numbered row-major over the op's dims in their declared order."""
+    cache = op.__dict__.setdefault("_partitions", {})
+    hit = cache.get(config)
+    if hit is not None:
+        return hit
+    validate_config(op, config)
+    rule = RULES[op.rule]
+    degs = config.degrees
+    if REPLICA in degs:  # k whole copies
+        ins, ps = rule.regions(op, {})
+        parts = [Partition(k, dev, {}, out_region(op, {}), tuple(ins), ps, False)
+                 for k, dev in enumerate(config.devices)]
+        cache[config] = parts
+        return parts
+    split = [d for d in op.dims if degs.get(d.name, 1) > 1]
+    ranges = []
+    for d in split:
+        k = degs[d.name]
+        ranges.append([(i * d.size // k, (i + 1) * d.size // k) for i in range(k)])
+    partial = any(d.axis is None for d in split)
+    names = [d.name for d in split]
+    parts = []
+    for idx, combo in enumerate(itertools.product(*ranges)):
+        block = dict(zip(names, combo))
+        ins, ps = rule.regions(op, block)
+        parts.append(Partition(idx, config.devices[idx], block, out_region(op, block),
+                               tuple(ins), ps, partial))
+    cache[config] = parts
+    return parts
+
+
+def pick_replica(candidates, parts, device, index: int) -> int:
+    """Of producer partitions ``candidates`` (indices into ``parts``) that hold
+    the same output region, the one a consumer partition (number ``index``, on
+    ``device``) reads from: the copy on its own device when there is one,
+    else copies in turn by consumer index.  The simulator and the executor
+    both route every replicated read through this function."""
+    if len(candidates) == 1:
+        return candidates[0]
+    for q in candidates:
+        if parts[q].device == device:
+            return q
+    return candidates[index % len(candidates)]
+
+
+def canonical_partitions(parts) -> list:
+    """The partitions that stand for their output region: all of them, but of
+    replicas (same region) only the first.  Summing these over devices gives
+    the op's full output once (partial sums all count)."""
+    if parts and parts[0].partial:
+        return list(parts)
+    seen, out = set(), []
+    for p in parts:
+        key = tuple((r.start, r.stop) for r in p.output)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """A block of a parameter (in its view shape) and the devices holding it."""
+
+    region: tuple
+    devices: tuple[int, ...]
+
+
+def param_placement(graph: OpGraph, strategy: Mapping[str, ParallelConfig]) -> dict[str, tuple[tuple, list[ParamShard], bool]]:
+    """Which devices hold which block of each parameter and buffer.
+
+    Returns qualified name -> (view shape, shards, trainable).  A device
+    holds the bounding box of every region its partitions read.  When the
+    boxes of different devices overlap without being equal (a parameter
+    used by two ops split differently, e.g. tied weights) every holder
+    keeps the whole parameter.  A shard's gradient is all-reduced among
+    exactly its devices."""
+    regions: dict[str, dict[int, list[tuple]]] = {}
+    views: dict[str, tuple] = {}
+    trainable: dict[str, bool] = {}
+    for op in graph.compute_ops:
+        parts = partitions(op, strategy[op.name])
+        for local, qual in list(op.params.items()) + list(op.buffers.items()):
+            is_param = local in op.params
+            view = op.param_views.get(local, op.param_shapes[local]) if is_param else op.buffer_shapes[local]
+            if views.setdefault(qual, tuple(view)) != tuple(view):
+                views[qual] = None  # inconsistent views: hold it whole
+            trainable[qual] = is_param
+            per_dev = regions.setdefault(qual, {})
+            for p in parts:
+                per_dev.setdefault(p.device, []).append(p.params[local])
+    out = {}
+    for qual, per_dev in regions.items():
+        view = views[qual]
+        if view is None:
+            view = next(op.param_shapes.get(l) or op.buffer_shapes.get(l) for op in graph.compute_ops
+                        for l, q in list(op.params.items()) + list(op.buffers.items()) if q == qual)
+            boxes = {d: tuple(slice(0, s) for s in view) for d in per_dev}
+        else:
+            boxes = {d: _bounding_box(rs) for d, rs in per_dev.items()}
+        distinct = list(dict.fromkeys(_key(b) for b in boxes.values()))
+        if not _equal_or_disjoint(distinct):
+            boxes = {d: tuple(slice(0, s) for s in view) for d in per_dev}
+            distinct = [_key(next(iter(boxes.values())))]
+        shards = []
+        for k in distinct:
+            devs = tuple(sorted(d for d, b in boxes.items() if _key(b) == k))
+            shards.append(ParamShard(tuple(slice(a, b) for a, b in k), devs))
+        out[qual] = (tuple(view), shards, trainable[qual])
+    return out
+
+
+def _key(region) -> tuple:
+    return tuple((s.start, s.stop) for s in region)
+
+
+def _bounding_box(regions) -> tuple:
+    return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
+                 for i in range(len(regions[0])))
+
+
+def _equal_or_disjoint(keys) -> bool:
+    for a, b in itertools.combinations(keys, 2):
+        if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b)):
+            return False
+    return True
+
+
+def overlap(a: tuple, b: tuple) -> tuple | None:
+    """Intersection of two regions (tuples of slices), or None when empty."""
+    out = []
+    for x, y in zip(a, b):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)

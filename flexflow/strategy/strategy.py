@@ -1,0 +1,244 @@
+"""The SOAP strategy space: configs, strategies, and the one partition
+function everything else asks "which device holds which slice".
+
+A :class:`ParallelConfig` gives a degree per parallel dim and the device of
+each partition.  :func:`partitions` turns an (op, config) pair into the
+output region, input regions and parameter regions of every partition;
+:func:`param_placement` derives from the same regions which devices hold
+which parameter block and so which devices all-reduce which gradients.
+The simulator, the memory estimate and the executor all use these two.
+"""
+
+from __future__ import annotations
+
+import json
+import random as _random
+from collections.abc import Mapping
+from typing import Iterator
+
+from ..graph.ir import Op, OpGraph
+from .candidates import candidate_configs
+from .config import REPLICA, ParallelConfig, StrategyError
+from .regions import validate_config
+
+__all__ = ['Strategy']
+
+
+# --------------------------------------------------------------------------- strategy
+class Strategy(Mapping):
+    """Op name -> ParallelConfig for every placed op of a graph.
+
+    Ops that share parameters always share one config."""
+
+    def __init__(self, graph: OpGraph, configs: Mapping[str, ParallelConfig], machine=None,
+                 name: str = "custom"):
+        self.graph = graph
+        self.name = name
+        self.machine_fingerprint = machine.fingerprint() if machine is not None else None
+        self.num_devices = machine.num_devices if machine is not None else None
+        self._configs: dict[str, ParallelConfig] = {}
+        for op in graph.compute_ops:
+            if op.name in configs:
+                self._configs[op.name] = configs[op.name]
+            else:
+                rep = next((m for m in graph.groups[op.group] if m in configs), None)
+                if rep is None:
+                    raise StrategyError(f"strategy has no config for {op.describe()}")
+                self._configs[op.name] = configs[rep]
+        unknown = [k for k in configs if k not in self._configs]
+        if unknown:
+            raise StrategyError(f"strategy names ops the graph does not have: {unknown[:5]}")
+        for members in graph.groups.values():
+            if len({self._configs[m] for m in members}) > 1:
+                raise StrategyError(f"ops {members[:3]}... share parameters and must share one config")
+        for op in graph.compute_ops:
+            validate_config(op, self._configs[op.name], self.num_devices)
+
+    # Mapping
+    def __getitem__(self, k: str) -> ParallelConfig:
+        return self._configs[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._configs)
+
+    def __len__(self) -> int:
+        return len(self._configs)
+
+    def __eq__(self, other):
+        return isinstance(other, Strategy) and self._configs == other._configs
+
+    def __hash__(self):
+        return hash(tuple(sorted(self._configs.items())))
+
+    def _derive(self, configs, name=None) -> "Strategy":
+        s = Strategy.__new__(Strategy)
+        s.graph, s.name = self.graph, name or self.name
+        s.machine_fingerprint, s.num_devices = self.machine_fingerprint, self.num_devices
+        s._configs = configs
+        return s
+
+    def replace(self, op_name: str, config: ParallelConfig) -> "Strategy":
+        """A new strategy with ``op_name`` (and every op sharing its parameters) on ``config``."""
+        op = self.graph.op(op_name)
+        validate_config(op, config, self.num_devices)
+        configs = dict(self._configs)
+        for m in self.graph.groups[op.group]:
+            configs[m] = config
+        return self._derive(configs)
+
+    def devices_used(self) -> set[int]:
+        return {d for c in self._configs.values() for d in c.devices}
+
+    def check(self, machine) -> None:
+        """Refuse a strategy made for another machine, or one that does not fit it."""
+        if self.machine_fingerprint and self.machine_fingerprint != machine.fingerprint():
+            raise StrategyError(f"strategy was made for another machine (fingerprint "
+                                f"{self.machine_fingerprint}, this machine {machine.fingerprint()})")
+        for op in self.graph.compute_ops:
+            validate_config(op, self._configs[op.name], machine.num_devices)
+
+    def table(self) -> str:
+        """One line per share group: ``conv3: S4 C2 @[0..7]``."""
+        lines = []
+        for members in self.graph.groups.values():
+            op = self.graph.op(members[0])
+            extra = f" (+{len(members) - 1} sharing)" if len(members) > 1 else ""
+            lines.append(f"{op.name}: {self._configs[op.name]}{extra}")
+        return "\n".join(lines)
+
+    # JSON
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": "flexflow-strategy", "version": 1, "name": self.name,
+            "graph": self.graph.fingerprint(), "machine": self.machine_fingerprint,
+            "num_devices": self.num_devices,
+            "ops": {k: c.to_dict() for k, c in self._configs.items()},
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, graph: OpGraph, machine=None) -> "Strategy":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StrategyError(f"strategy file is not valid JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("format") != "flexflow-strategy":
+            raise StrategyError("not a flexflow strategy file (missing \"format\": \"flexflow-strategy\")")
+        if d.get("graph") != graph.fingerprint():
+            raise StrategyError(f"strategy was made for another graph (fingerprint {d.get('graph')}, "
+                                f"this graph {graph.fingerprint()}): trace the same model, batch and dtype")
+        ops = d.get("ops")
+        if not isinstance(ops, dict):
+            raise StrategyError("strategy file has no \"ops\" object")
+        configs = {}
+        for k, v in ops.items():
+            if k not in graph:
+                raise StrategyError(f"strategy entry {k!r} names no op of this graph")
+            try:
+                configs[k] = ParallelConfig.from_dict(v)
+            except StrategyError as e:
+                raise StrategyError(f"strategy entry {k!r}: {e}") from None
+        s = cls(graph, configs, name=d.get("name", "custom"))
+        s.machine_fingerprint = d.get("machine")
+        s.num_devices = d.get("num_devices")
+        if machine is not None:
+            s.check(machine)
+        return s
+
+    # built-ins
+    @classmethod
+    def data_parallel(cls, graph: OpGraph, machine) -> "Strategy":
+        """Every op split along its sample dim over all devices; an op with no
+        sample dim that reads only graph constants (positions, masks) and such
+        ops is replicated on every device, as DistributedDataParallel in effect
+        does (no activation travels for it; its gradients are all-reduced)."""
+        D = machine.num_devices
+        configs = {}
+        replicated = _constant_fed(graph) if D > 1 else set()
+        for members in graph.groups.values():
+            op = graph.op(members[0])
+            if all(m in replicated for m in members):
+                configs[op.name] = ParallelConfig({REPLICA: D}, range(D))
+            else:
+                configs[op.name] = _sample_config(op, D)
+        return cls(graph, configs, machine, name="data_parallel")
+
+    @classmethod
+    def model_parallel(cls, graph: OpGraph, machine) -> "Strategy":
+        """Each op whole on one device; consecutive ops grouped so that
+        parameter bytes are balanced over the devices."""
+        D = machine.num_devices
+        group_bytes = {g: graph.op(m[0]).param_bytes for g, m in graph.groups.items()}
+        total = sum(group_bytes.values())
+        configs, placed, cum, dev = {}, {}, 0.0, 0
+        for op in graph.compute_ops:
+            g = op.group
+            if g not in placed:
+                if total > 0 and group_bytes[g] > 0:
+                    dev = min(D - 1, int((cum + group_bytes[g] / 2) * D / total))
+                    cum += group_bytes[g]
+                placed[g] = dev
+            configs[op.name] = ParallelConfig({}, (placed[g],))
+        return cls(graph, configs, machine, name="model_parallel")
+
+    @classmethod
+    def expert(cls, graph: OpGraph, machine) -> "Strategy":
+        """"One weird trick": data parallel for convolution, pooling and
+        recurrence; fully connected layers (the softmax layer included)
+        split along their output channels over all devices."""
+        D = machine.num_devices
+        configs = {}
+        for members in graph.groups.values():
+            op = graph.op(members[0])
+            if op.rule == "linear" and "c" in op.parallel_dims and op.dim("c").size >= 2:
+                k = min(D, op.dim("c").size)
+                configs[op.name] = ParallelConfig({"c": k}, range(k))
+            else:
+                configs[op.name] = _sample_config(op, D)
+        return cls(graph, configs, machine, name="expert")
+
+    @classmethod
+    def single_device(cls, graph: OpGraph, machine, device: int = 0) -> "Strategy":
+        """Every op whole on ``device``: no parallelism.  A model too small for
+        its communication to pay (tiny layers, latency-bound steps) trains
+        fastest this way; the other devices only receive the outputs."""
+        if not 0 <= device < machine.num_devices:
+            raise StrategyError(f"device {device} is not one of the machine's {machine.num_devices} devices")
+        configs = {op.name: ParallelConfig({}, (device,)) for op in graph.compute_ops}
+        return cls(graph, configs, machine, name="single_device")
+
+    @classmethod
+    def random(cls, graph: OpGraph, machine, seed: int = 0, *, base: "Strategy | None" = None,
+               fraction: float = 1.0) -> "Strategy":
+        """A uniformly random candidate config per share group; with ``base``, each
+        group's config is redrawn with probability ``fraction`` and else kept from
+        ``base`` (a random strategy at a chosen distance from, say, data parallelism)."""
+        if not 0.0 <= fraction <= 1.0:
+            raise StrategyError(f"fraction must lie in [0, 1], got {fraction!r}")
+        rng = _random.Random(seed)
+        configs = {}
+        for members in graph.groups.values():
+            op = graph.op(members[0])
+            drawn = rng.choice(candidate_configs(op, machine))
+            keep = base is not None and rng.random() >= fraction
+            configs[op.name] = base[op.name] if keep else drawn
+        name = f"random{seed}" if base is None else f"random{seed}@{fraction:g}"
+        return cls(graph, configs, machine, name=name)
+
+
+def _constant_fed(graph: OpGraph) -> set[str]:
+    """Placed ops without a sample dim whose inputs are all graph constants
+    (``everywhere`` ops other than the inputs) or such ops themselves."""
+    out: set[str] = set()
+    for op in graph.compute_ops:
+        if op.parallel_dims.get("n") == "sample" or not op.inputs:
+            continue
+        if all((graph.op(i).everywhere and graph.op(i).kind != "input") or i in out for i in op.inputs):
+            out.add(op.name)
+    return out
+
+
+def _sample_config(op: Op, D: int) -> ParallelConfig:
+    if "n" in op.parallel_dims and op.parallel_dims["n"] == "sample":
+        k = min(D, op.dim("n").size)
+        return ParallelConfig({"n": k}, range(k))
+    return ParallelConfig({}, (0,))
