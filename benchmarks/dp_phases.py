@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from flexflow.api import launch, parallelize  # noqa: E402
+from flexflow.api import parallelize  # noqa: E402
+from flexflow.launch import launch  # noqa: E402
 
 CASES = [("rnnlm", 32), ("transformer", 32), ("alexnet", 64)]
 PHASES = ["forward", "backward to launch", "all-reduce", "rest of backward", "SGD step + loss read", "step"]

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import flexflow as ff  # noqa: E402
-from flexflow.api import launch, parallelize  # noqa: E402
+from flexflow.api import parallelize  # noqa: E402
+from flexflow.launch import launch  # noqa: E402
 from flexflow.hardware.machine import Machine  # noqa: E402
 from flexflow.strategy.config import ParallelConfig
 from flexflow.strategy.strategy import Strategy  # noqa: E402

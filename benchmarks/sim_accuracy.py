@@ -119,7 +119,8 @@ def main(argv=None) -> int:
 
     import flexflow as ff
     from flexflow.cost.model import CostModel
-    from flexflow.cost.profile import calibrate_comm, profile_graph
+    from flexflow.calibrate.host import calibrate as calibrate_comm
+    from flexflow.cost.profile import profile_graph
     from flexflow.sim.simulate import Simulator
     torch.set_num_threads(1)
     t0 = time.time()

@@ -27,7 +27,8 @@ import torch
 
 import _dist_workers as W
 import flexflow as ff
-from flexflow.api import LaunchError, launch, parallelize
+from flexflow.api import parallelize
+from flexflow.launch import LaunchError, launch
 from flexflow.hardware.machine import Machine
 from flexflow.strategy.strategy import Strategy
 from flexflow.strategy.config import StrategyError

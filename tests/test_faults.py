@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import _dist_workers as W
-from flexflow.api import LaunchError, launch
+from flexflow.launch import LaunchError, launch
 
 
 def _leftovers():

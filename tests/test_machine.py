@@ -236,30 +236,34 @@ def test_device_spec_validation():
     assert GPU_SPECS["K80"].flops("float16") == 4.4e12
 
 
-def test_detect_calibrates_a_cpu_host_once(monkeypatch):
-    """Without a cached file, detect() measures this host and caches it; later calls
-    (and the cpu preset) read the file."""
-    monkeypatch.setattr("flexflow.machine._detect_gpus", lambda: None)
-    monkeypatch.delenv("FLEXFLOW_NO_CALIBRATE", raising=False)
-    assert not cpu_machine_file().exists()
-    m = Machine.detect()
+def test_detect_only_reads_and_calibrating_is_its_own_step(monkeypatch):
+    """detect() never measures; ensure_calibrated() measures a host without a current
+    file once, and detect() and the cpu preset then read that file."""
+    from flexflow.calibrate.host import ensure_calibrated
+    monkeypatch.setattr("flexflow.hardware.machine._detect_gpus", lambda: None)
+    monkeypatch.setenv("FLEXFLOW_NO_CALIBRATE", "1")
     path = cpu_machine_file()
-    assert path.exists() and m.spec.kind == "cpu"
+    assert not path.exists()
+    before = Machine.detect()
+    assert before.spec.kind == "cpu" and not path.exists()  # detecting wrote nothing
+    assert ensure_calibrated() is False and not path.exists()  # the setting says not to
+    monkeypatch.delenv("FLEXFLOW_NO_CALIBRATE")
+    assert ensure_calibrated() is True and path.exists()
+    m = Machine.detect()
+    assert m.spec.kind == "cpu" and Machine.preset("cpu").intra_node == Machine.load(path).intra_node
     stamp = path.stat().st_mtime_ns
-    again = Machine.detect()
-    assert path.stat().st_mtime_ns == stamp  # not measured twice
-    assert again.fingerprint() == m.fingerprint()
-    assert Machine.preset("cpu").intra_node == Machine.load(path).intra_node  # the measured link
+    assert ensure_calibrated() is True and path.stat().st_mtime_ns == stamp  # not measured twice
+    assert Machine.detect().fingerprint() == m.fingerprint()
     # a file from an older calibration (no cost of a message between compute) is measured again
     d = json.loads(path.read_text())
     del d["measured"]["exchange_s"]
     path.write_text(json.dumps(d))
-    Machine.detect()
+    ensure_calibrated()
     assert "exchange_s" in json.loads(path.read_text())["measured"]
-    # and so is one of an older calibration format (figures not fitted to the executor)
+    # and so is one of an older calibration format
     d = json.loads(path.read_text())
     d["measured"]["version"] = 1
     path.write_text(json.dumps(d))
     stamp = path.stat().st_mtime_ns
-    Machine.detect()
+    ensure_calibrated()
     assert json.loads(path.read_text())["measured"]["version"] == CALIBRATION_VERSION and path.stat().st_mtime_ns != stamp
