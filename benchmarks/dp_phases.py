@@ -66,7 +66,9 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import flexflow.runtime.autograd as A
     import flexflow.runtime.execute as E
+    import flexflow.runtime.sync as S
     from dp_steps import dp_setup
     module, inputs, strategy, half = dp_setup(rank, name, batch)
     marks: dict = {}
@@ -82,7 +84,7 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
     ddp.register_comm_hook(None, hook)
     model = parallelize(module, example_inputs=inputs, strategy=strategy)
     inner: dict = {}
-    orig_ar, orig_wait = E._all_reduce, E.Runtime.wait
+    orig_ar, orig_wait = S._all_reduce, E.Runtime.wait
 
     def all_reduce(t, group):
         marks["launch"] = time.perf_counter()
@@ -93,9 +95,9 @@ def _worker(rank: int, name: str, batch: int, blocks: int, steps: int) -> dict:
             return orig_wait(self, works, what)
         finally:
             marks["done"] = time.perf_counter()
-    E._all_reduce, E.Runtime.wait = all_reduce, wait
-    _timed(E._GateFn, "apply", inner, "gradient gate")
-    _timed(E._OutputFn, "apply", inner, "outputs")
+    S._all_reduce, A._all_reduce, E.Runtime.wait = all_reduce, all_reduce, wait  # the gradients' and the outputs'
+    _timed(A._GateFn, "apply", inner, "gradient gate")
+    _timed(A._OutputFn, "apply", inner, "outputs")
     runs = {"ddp": (ddp, half), "flexflow": (model, inputs)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, (m, _) in runs.items()}
     rows = {k: [] for k in runs}

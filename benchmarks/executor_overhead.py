@@ -74,12 +74,12 @@ class _Trainer:
 
 def batched_ddp(module):
     """DDP on a new process group of all ranks whose gloo event-loop threads run under
-    SCHED_BATCH, as flexflow's own groups do (``flexflow.execute.batch_gloo_loops``):
+    SCHED_BATCH, as flexflow's own groups do (``flexflow.runtime.gloo.batch_gloo_loops``):
     DDP with the thread policy, to tell that policy's share of a ratio from the rest."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from flexflow.runtime.execute import batched_gloo_loops
+    from flexflow.runtime.gloo import batched_gloo_loops
     with batched_gloo_loops():
         group = dist.new_group(list(range(dist.get_world_size())))
         dist.barrier(group=group)
@@ -271,7 +271,7 @@ def write_report(two: list[dict], one: list[dict], command: str, seconds: float,
         "the global loss, as flexflow's `reduce_outputs=\"eager\"` (the *flexflow eager* column) does (one",
         "more collective per step).  flexflow: the default, the global loss carried by the gradient",
         "all-reduce (no collective beyond DDP's).  DDP batched: DDP on a group whose gloo event-loop",
-        "threads run under SCHED_BATCH, as flexflow's groups do (`flexflow.execute.batch_gloo_loops`);",
+        "threads run under SCHED_BATCH, as flexflow's groups do (`flexflow.runtime.gloo.batch_gloo_loops`);",
         "DDP and DDP+global loss run on the launch's default group, whose threads are left as they are.",
         "",
         "| model | global batch | DDP samples/s | DDP+global loss samples/s | DDP batched samples/s "
@@ -344,7 +344,7 @@ collectives only; the *flexflow eager* column all-reduces it on its own
 ops on this host.  The collectives and gloo's point-to-point calls go
 straight to the process group (``dist.all_reduce``'s checks cost tens of
 microseconds a call).  The gloo event-loop threads of the runtime's groups
-run under SCHED_BATCH (`flexflow.execute.batch_gloo_loops`): a loop thread
+run under SCHED_BATCH (`flexflow.runtime.gloo.batch_gloo_loops`): a loop thread
 woken by a socket event otherwise preempts the thread that holds the pair's
 lock on its core and spins on it for the rest of its time slice, and a send
 or a collective step comes back milliseconds late now and then.  DDP here

@@ -1,11 +1,11 @@
 """How well the fitted analytic cost model predicts measured CPU op times.
 
-Profiles (flexflow.profile.profile_graph) every distinct op of the zoo models at
+Profiles (flexflow.cost.profile.profile_graph) every distinct op of the zoo models at
 size "small" with a medium batch, plus a few paper-size single ops (the largest
 op of each kind in each paper model, traced on the meta device) at a small batch,
 into a fresh cache.  Then, per op kind, compares the measured forward+backward
-time with the analytic roofline estimate of flexflow.cost.CostModel whose per-rule
-efficiencies are fitted (flexflow.cost.fit_efficiency):
+time with the analytic roofline estimate of flexflow.cost.model.CostModel whose per-rule
+efficiencies are fitted (flexflow.cost.model.fit_efficiency):
 
   held-out  fitted on one half of the entries (alternate entries of each kind),
             error on the other half;
@@ -218,7 +218,7 @@ def markdown(r) -> str:
         f"Measured: every distinct op of the zoo at size small, batch {r['batch']}"
         + (f", plus the largest op of each kind (<= {PAPER_MAX_FLOPS / 1e9:g} GFLOP) of the paper-size "
            f"models at batch {r['paper_batch']}" if any(x.startswith("paper") for x in r["log"]) else "")
-        + f"; median of {r['repeats']} runs of `flexflow.profile.profile_graph` (forward, and backward of "
+        + f"; median of {r['repeats']} runs of `flexflow.cost.profile.profile_graph` (forward, and backward of "
         "the sum of the output w.r.t. float inputs and parameters). Structural ops (views, transposes, "
         "concat) are left out.", "",
         "Analytic: `work = max(FLOPs / (peak x eff), bytes / (bandwidth x bw_scale))`, forward = work + "

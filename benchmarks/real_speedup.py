@@ -19,7 +19,7 @@ contenders on the same processes and the same global batch:
   global loss all-reduced on its own, started at the end of the forward);
 - ``ddp_batched``: DDP as ``ddp``, on a process group of its own whose gloo
   event-loop threads run under ``SCHED_BATCH``, as flexflow's groups do
-  (``flexflow.execute.batch_gloo_loops``): how much of a ratio to ``ddp`` is that
+  (``flexflow.runtime.gloo.batch_gloo_loops``): how much of a ratio to ``ddp`` is that
   thread policy, not the strategy.  The ratios (×DDP) are to plain ``ddp``.
 
 Rounds alternate between the contenders so that load from other jobs hits
@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flexflow as ff  # noqa: E402
+from flexflow.calibrate.host import ensure_calibrated  # noqa: E402
 from flexflow.cost.model import CostModel  # noqa: E402
 from executor_overhead import _Trainer, batched_ddp  # noqa: E402
 
@@ -151,7 +152,7 @@ def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check
     ``check_steps``, also the searched run's first losses from the initial
     parameters (``check_losses``, rank 0), to compare with :func:`reference_losses`;
     ``ride``: one more contender, ``flexflow_dp_eager``."""
-    ff.Machine.detect()  # calibrate a new host here, before the ranks read the cached figures
+    ensure_calibrated()  # a new host is calibrated here, before the ranks read the cached figures
     res = ff.launch(_worker, 2, name, batch, steps, rounds, budget, check_steps, ride, timeout_s=900)
     per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
     med = {k: statistics.median(v) for k, v in per.items()}

@@ -278,13 +278,13 @@ def main(argv=None) -> int:
               "## What limits the accuracy here", "",
               "- Op times are profiled by the thread's CPU time (load from other jobs left out), without "
               "the autograd engine's per-call cost, the ops of a graph round-robin in graph order "
-              "(`flexflow.profile.profile_partitions`): timed back to back, an op kept its code and data "
+              "(`flexflow.cost.profile.profile_partitions`): timed back to back, an op kept its code and data "
               "in the caches, and the transformer's ops summed to 60-80% of its step (gelu 2.6x faster "
               "than in a step). One-process predictions of the plain modules now sit within -4..+34% "
               "(transformer -2..+2%, alexnet -4..+21%, rnnlm +19..+34%: its LSTM cells cost less in a "
               "step than timed alone, whichever way they are timed).",
               "- The gloo event-loop threads of the executor's groups run under SCHED_BATCH "
-              "(`flexflow.execute.batch_gloo_loops`). Before, a loop thread woken by a send preempted the "
+              "(`flexflow.runtime.gloo.batch_gloo_loops`). Before, a loop thread woken by a send preempted the "
               "sending rank inside the send, holding the pair's lock, and spun on it: one send in ten came "
               "back 1-5 ms late, and message-heavy strategies measured 35-60% slower than predicted "
               "(the transformer's random strategies 37-60 ms a step, now 24-33 ms).",

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flexflow as ff  # noqa: E402
+from flexflow.calibrate.host import ensure_calibrated  # noqa: E402
 
 NPROCS = 2
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     module, inputs = build(a.model, batch)
     graph = ff.trace(module, inputs)
+    ensure_calibrated()
     machine = ff.Machine.detect().with_devices(NPROCS)
     strategy = make_strategy(graph, machine, a.strategy)
     tag = f"{a.model}-{Path(a.strategy).stem}"

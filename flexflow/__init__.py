@@ -12,6 +12,7 @@ from .cost.model import CostModel
 from .graph.ir import Op, OpGraph
 from .graph.trace import TraceError, trace
 from .hardware.machine import Machine
+from .launch import LaunchError, launch  # the function shadows the module name, as search does
 from .search import SearchResult, search  # the function shadows the module name, on purpose
 from .sim.simulate import SimResult, Simulator
 from .strategy.candidates import candidate_configs
@@ -20,11 +21,10 @@ from .strategy.strategy import Strategy
 
 __all__ = ["models", "trace", "TraceError", "Op", "OpGraph", "Machine", "ParallelConfig",
            "Strategy", "StrategyError", "candidate_configs", "CostModel", "Simulator", "SimResult",
-           "search", "SearchResult", "parallelize", "ParallelModule", "launch", "LaunchError", "calibrate"]
+           "search", "SearchResult", "parallelize", "ParallelModule", "launch", "LaunchError"]
 
-# the runtime (torch.distributed) loads on first use
-_LAZY = {"parallelize": "api", "ParallelModule": "runtime.module", "launch": "launch",
-         "LaunchError": "launch", "calibrate": "calibrate.host"}
+# the runtime loads on first use
+_LAZY = {"parallelize": "api", "ParallelModule": "runtime.module"}
 
 
 def __getattr__(name):

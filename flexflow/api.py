@@ -18,28 +18,26 @@ returned module's ``forward``/``backward``/``state_dict`` are collective too.
 """
 
 from __future__ import annotations
+
 import dataclasses
 import datetime
 import os
-import pickle
-import shutil
-import socket
-import tempfile
 import time
-import traceback
-from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 from . import settings
 from .graph.trace import trace
 from .hardware.machine import Machine
-from .runtime.execute import BUCKET_CAP_MB, REDUCE_OUTPUTS, Runtime, tensor_of
-from .runtime.program import check_programs, describe
+from .runtime.execute import Runtime
+from .runtime.module import ParallelModule
+from .runtime.plan import BUCKET_CAP_MB, REDUCE_OUTPUTS
+from .runtime.program import check_programs
 from .sim.memory import optimizer_state_copies
 from .strategy.config import StrategyError
 from .strategy.strategy import Strategy
-from .runtime.module import ParallelModule
 
 __all__ = ["parallelize", "ParallelModule", "default_timeout_s", "host_cost_model", "MIN_PREDICTED_GAIN", "PROFILE_SHARE"]
 

@@ -137,7 +137,7 @@ def cmd_trace(args) -> int:
 
 
 def _calibration_text(res: dict) -> str:
-    """The calibrated figures in words, with the executor fit's cases (flexflow.hostfit)."""
+    """The calibrated figures in words, with the executor fit's cases (flexflow.calibrate.hostfit)."""
     us = lambda x: f"{x * 1e6:.0f} us"  # noqa: E731
     fitted, bw = "micro" in res, f" + {res['bandwidth_Bps'] / 1e9:.2f} GB/s"
     lines = [f"calibrated {res['nprocs']} gloo processes on {res['cores']} cores in {res['seconds']:.1f} s; "

@@ -8,7 +8,7 @@
 """
 
 from __future__ import annotations
-import dataclasses
+
 import datetime
 import os
 import pickle
@@ -17,18 +17,11 @@ import socket
 import tempfile
 import time
 import traceback
-from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+
 from . import settings
-from .graph.trace import trace
-from .hardware.machine import Machine
-from .runtime.execute import BUCKET_CAP_MB, REDUCE_OUTPUTS, Runtime, tensor_of
-from .runtime.program import check_programs, describe
-from .sim.memory import optimizer_state_copies
-from .strategy.config import StrategyError
-from .strategy.strategy import Strategy
 
 __all__ = ['LaunchError', 'launch']
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import re
 import sys
-import time
 
 import pytest
 import torch
@@ -78,14 +77,12 @@ def _ids(cases):
 @pytest.fixture(scope="module")
 def suite_2():
     """One spawn of 2 ranks: every 2-rank equivalence case, then the refusal checks."""
-    t0 = time.perf_counter()
-    out = launch(W.suite, 2, CASES_2, True, timeout_s=120)
-    return out, time.perf_counter() - t0
+    return launch(W.suite, 2, CASES_2, True, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
 def results_2(suite_2):
-    return [r["equivalence"] for r in suite_2[0]]
+    return [r["equivalence"] for r in suite_2]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +127,7 @@ def test_equivalence_2_ranks(results_2, model, mode):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread policies are Linux's")
 def test_gloo_loop_threads_of_the_runtime_do_not_preempt(results_2):
     """The event-loop threads of the groups a runtime creates run under SCHED_BATCH
-    (``execute.batch_gloo_loops``): every 2-rank case found some and moved them all."""
+    (``runtime.gloo.batch_gloo_loops``): every 2-rank case found some and moved them all."""
     for rank, recs in enumerate(results_2):
         for rec in recs:
             where = f"rank {rank}, {rec['model']} {rec['spec']}"
@@ -144,47 +141,47 @@ def test_equivalence_4_ranks(results_4, model, mode):
 
 
 def test_refused_strategies_on_every_rank(suite_2):
-    results, seconds = suite_2
+    """Every rank refuses (no rank hangs: the launch would fail at its timeout)."""
+    results = suite_2
     assert len(results) == 2  # launch returns each rank's result
     for rank, res in enumerate(results):
         out = res["refusals"]
-        for label in ("other_graph", "too_many_devices", "bad_on_one_rank"):
-            assert out[label][1] < 30, f"refusing {label} took {out[label][1]:.1f} s on rank {rank}"
-        assert "another graph" in out["other_graph"][0], (rank, out)
-        assert "device" in out["too_many_devices"][0] and "StrategyError" in out["too_many_devices"][0]
-        assert out["bad_on_one_rank"][0] != "accepted", (rank, out)
-        assert "rank 1" in out["bad_on_one_rank"][0] or rank == 1
+        assert "another graph" in out["other_graph"], (rank, out)
+        assert "device" in out["too_many_devices"] and "StrategyError" in out["too_many_devices"]
+        assert out["bad_on_one_rank"] != "accepted", (rank, out)
+        assert "rank 1" in out["bad_on_one_rank"] or rank == 1
         assert "example_inputs" in out["no_example_inputs"]
         strategy_json, plain_loss = out["searched"]
         assert strategy_json == results[0]["refusals"]["searched"][0]  # one strategy for all ranks
         assert abs(out["after"] - plain_loss) <= TOL * abs(plain_loss)
 
 
-def _failure(how: str, timeout_s: float) -> tuple[str, float, float]:
-    t0 = time.perf_counter()
+def _failure(how: str, timeout_s: float) -> str:
+    """launch's report when rank 1 of 2 dies or hangs; rank 0's error from the step it
+    was in (the exchange it waited on, the peer, the timeout in force) is in it."""
     with pytest.raises(LaunchError) as e:
         launch(W.failing_peer, 2, how, timeout_s, timeout_s=60, grace_s=1.0)
     msg = str(e.value)
-    m = re.search(r"rank 0 failed after ([0-9.]+) s", msg)
-    assert m, msg
-    return msg, float(m.group(1)), time.perf_counter() - t0
+    assert "--- rank 0 failed" in msg, msg
+    assert re.search(rf"rank 0 failed: ExecutorError: rank 0, step 1: .*rank\(s\) \[1\].*\(timeout {timeout_s:g} s\)",
+                     msg), msg
+    return msg
 
 
 def test_rank_that_dies_fails_the_others():
     """Rank 1 raises right after parallelize: launch reports both ranks' tracebacks,
-    and rank 0 fails (connection closed) well within its timeout."""
-    msg, seconds, _ = _failure("dies", timeout_s=20.0)
+    and rank 0 fails on the closed connection, not by waiting out its timeout."""
+    msg = _failure("dies", timeout_s=20.0)
     assert "--- rank 1 failed" in msg and "rank 1 exits on purpose" in msg
-    assert "--- rank 0 failed" in msg
-    assert seconds < 20.0, msg
+    assert not re.search(r"timed out", msg, re.IGNORECASE), msg
 
 
 def test_rank_that_hangs_times_out():
-    """Rank 1 hangs: rank 0 fails after parallelize(timeout_s=3), rank 1 is stopped."""
-    msg, seconds, total = _failure("hangs", timeout_s=3.0)
+    """Rank 1 hangs: rank 0 fails at its receive's timeout (parallelize(timeout_s=3)),
+    rank 1 is stopped."""
+    msg = _failure("hangs", timeout_s=3.0)
     assert "rank 1 was stopped" in msg
-    assert 2.5 <= seconds <= 3.0 + 5, msg
-    assert total < 60
+    assert re.search(r"timed out", msg, re.IGNORECASE), msg
 
 
 def test_single_process_matches_module():

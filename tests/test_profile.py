@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import flexflow as ff
-from flexflow.cost import profile as prof
-from flexflow.cost import profiledb
+from flexflow.cost.model import profile as prof
+from flexflow.cost.model import profiledb
 from flexflow.cost.model import CostModel, fit_efficiency, fit_rules, partition_flops
 from flexflow.strategy.localrun import whole_config
 from flexflow.cost.profile import ProfileDB, device_kind_of, device_name, key_str, profile_graph

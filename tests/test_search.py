@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import random
+import types
 import warnings
 
 import pytest
@@ -178,11 +179,44 @@ def test_result_fields_and_json_round_trip(lenet, p100, lenet_runs):
     assert again.result.iteration_time <= found.result.iteration_time * (1 + 1e-12)
 
 
-def test_time_budget_is_respected(lenet, p100):
+class _Clock:
+    """A stand-in for ``time.perf_counter`` that moves ``step`` seconds at every read:
+    a time budget then ends after a fixed number of clock reads, whatever the host."""
+
+    def __init__(self, step: float = 2 ** -10):  # (about 1 ms, and sums of it are exact)
+        self.now, self.step, self.reads = 1024.0, step, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        self.now += self.step
+        return self.now
+
+
+def _fake_clock(monkeypatch, step: float = 2 ** -10) -> _Clock:
+    """The search's clock (what ``flexflow.search`` reads for its budget) replaced by a _Clock."""
+    from flexflow.search import common, mcmc
+    clock = _Clock(step)
+    fake = types.SimpleNamespace(perf_counter=clock)
+    monkeypatch.setattr(common, "time", fake)
+    monkeypatch.setattr(mcmc, "time", fake)
+    return clock
+
+
+def test_time_budget_is_respected(lenet, p100, monkeypatch):
+    """The search reads its clock as it goes and ends within a few reads past the budget: on
+    a clock that moves 1 ms per read a 1-s search stops there (not because the polish
+    converged), half the budget gets fewer evaluations, and the same clock the same search."""
+    clock = _fake_clock(monkeypatch)
     seen = []
     r = search(lenet, p100, budget=1.0, progress=lambda n, s, best: seen.append((n, s, best)))
-    assert r.seconds < 2.5
+    assert 1.0 <= r.seconds <= 1.0 + 4 * clock.step and not r.local_optimum
+    assert clock.reads > 100  # the clock it ran on
     assert seen and all(b >= r.result.iteration_time for _, _, b in seen)
+    assert all(0 < s <= r.seconds for _, s, _ in seen)
+    half = search(lenet, p100, budget=0.5, progress=lambda *a: None)
+    assert 0.5 <= half.seconds <= 0.5 + 4 * clock.step and 0 < half.evaluations < r.evaluations
+    again = search(lenet, p100, budget=1.0, progress=lambda *a: None)
+    assert again.evaluations == r.evaluations and again.strategy.to_json() == r.strategy.to_json()
 
 
 # --------------------------------------------------------------------------- baselines, memory
@@ -324,11 +358,20 @@ def test_search_pauses_the_collector_and_restores_it(lenet, p100, monkeypatch):
         gc.enable()
 
 
-def test_search_warns_when_the_baselines_take_most_of_the_budget(lenet, p100):
-    """A budget the baselines eat gets a clear warning that says how to reuse them."""
-    with pytest.warns(UserWarning, match="baselines took .* of the 1e-06-s budget"):
-        r = ff.search(lenet, p100, budget=1e-6, seed=0, progress=False)
+def test_search_warns_when_the_baselines_take_most_of_the_budget(lenet, p100, monkeypatch):
+    """A budget the baselines eat gets a clear warning that says how to reuse them (on a
+    clock that moves about 1 ms per read, building the baselines takes 0.6 s of a 1-s budget)."""
+    from flexflow.search import mcmc
+    clock = _fake_clock(monkeypatch)
+    build = mcmc.baseline_strategies
+
+    def slow_baselines(*a, **k):
+        clock.now += 0.6
+        return build(*a, **k)
+    monkeypatch.setattr(mcmc, "baseline_strategies", slow_baselines)
+    with pytest.warns(UserWarning, match=r"baselines took 0\.6 s of the 1-s budget, which leaves the search 0\.4 s"):
+        r = ff.search(lenet, p100, budget=1.0, seed=0, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reused, they cost nothing of the budget
-        ff.search(lenet, p100, budget=0.5, seed=0, progress=False, baselines=r.baseline_strategies,
+        ff.search(lenet, p100, budget=1.0, seed=0, progress=False, baselines=r.baseline_strategies,
                   baseline_results=r.baselines)

@@ -276,11 +276,11 @@ def test_simulate_within_stops_exactly_when_slower(inception, nmt_small, lenet):
 _CORE_SCRIPT = """
 import json, random, sys
 import flexflow as ff
-from flexflow.machine import Machine
-from flexflow.simulate import Simulator
-from flexflow.schedcore import JIT
+from flexflow.hardware.machine import Machine
+from flexflow.sim.simulate import Simulator
+from flexflow.sim.schedcore import JIT
 from flexflow.strategy import Strategy, candidate_configs
-from flexflow.taskgraph import TaskGraph
+from flexflow.sim.taskgraph import TaskGraph
 TaskGraph.keep_columns = True
 m, x = ff.models.get("lenet", batch_size=32, device="meta")
 g = ff.trace(m, x)

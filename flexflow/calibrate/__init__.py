@@ -4,3 +4,6 @@
 - :mod:`.comm`: gloo message, all-reduce and compute figures between local processes;
 - :mod:`.hostfit`: the figures fitted to the executor's own steps on this host.
 """
+from .host import calibrate, ensure_calibrated, is_calibrated
+
+__all__ = ["calibrate", "ensure_calibrated", "is_calibrated"]

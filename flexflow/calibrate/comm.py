@@ -88,8 +88,8 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup, fit=False):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from ..runtime.execute import batched_gloo_loops
-    with batched_gloo_loops():  # as the executor's groups run (execute.batch_gloo_loops)
+    from ..runtime.gloo import batched_gloo_loops
+    with batched_gloo_loops():  # as the executor's groups run (runtime/gloo.py)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=nprocs)
     try:
         out = {"p2p": [], "allreduce": []}
@@ -114,7 +114,7 @@ def _worker(rank, nprocs, tmp, sizes, repeats, warmup, fit=False):
         out["skew"] = _skew_samples(torch, dist, chunk, warmup, repeats)
         dist.barrier()
         out.update(_compute_figures(torch))  # all ranks at once, as in a real run
-        if fit:  # the executor's own steps on a calibration model (flexflow.hostfit)
+        if fit:  # the executor's own steps on a calibration model (flexflow.calibrate.hostfit)
             from .hostfit import measure_steps
             dist.barrier()
             try:
@@ -228,7 +228,7 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
     share the computing cores): also run a calibration model under the executor and
     replace ``exchange_s``, ``bandwidth_Bps``, ``allreduce_latency_s`` and ``sync_skew`` (and add
     ``output_sync_s``) by the figures that
-    make the simulator predict its steps (:mod:`flexflow.hostfit`); the micro-benchmark
+    make the simulator predict its steps (:mod:`flexflow.calibrate.hostfit`); the micro-benchmark
     figures stay under ``micro`` and the fit's cases under ``fit``."""
     if nprocs < 2:
         raise ValueError(f"calibrate_gloo needs at least 2 processes, not {nprocs}")
@@ -274,7 +274,7 @@ def calibrate_gloo(nprocs: int = 2, sizes_bytes=DEFAULT_SIZES_BYTES, repeats: in
 
 def _fit_or_keep(figures: dict, ranks: list, nprocs: int) -> None:
     """Replace the micro-benchmark figures by those fitted to the ranks' calibration steps
-    (:mod:`flexflow.hostfit`), keeping the micro ones under ``micro``; when the chains
+    (:mod:`flexflow.calibrate.hostfit`), keeping the micro ones under ``micro``; when the chains
     did not run or the fit fails, warn and keep the micro figures (``fit_error`` says why)."""
     figures["micro"] = {k: figures[k] for k in ("exchange_s", "bandwidth_Bps", "allreduce_latency_s", "sync_skew")}
     figures.setdefault("samples", {})["steps"] = ranks[0].get("steps")

@@ -1,6 +1,6 @@
 """Fitting the ``cpu`` machine's communication figures to the executor's own steps.
 
-The gloo micro-benchmarks in :mod:`flexflow.comm` time a message or an all-reduce
+The gloo micro-benchmarks in :mod:`flexflow.calibrate.comm` time a message or an all-reduce
 between pieces of compute.  What one costs inside a training step also holds the
 executor's Python, the peer's wake-up on shared cores and the jitter of the ranks, and
 on a 2-core host those dominate: the micro-benchmark figures came out 2-3x below what

@@ -1,7 +1,7 @@
 """Cost model: how long one op partition runs on a device.
 
 ``CostModel.op_time(op, part, device)`` returns (forward_s, backward_s).
-Measured profiles (see :mod:`flexflow.profile`) are used where the device
+Measured profiles (see :mod:`flexflow.cost.profile`) are used where the device
 kind is the one profiled and the partition's key was measured; elsewhere an
 analytic roofline estimate:
 
@@ -104,7 +104,7 @@ def fit_overhead(db, quantile: float = 0.1) -> tuple[float, float] | None:
 
 def fit_efficiency(db, spec, rules=None, overhead: float | None = None) -> dict[str, float]:
     """Per-rule efficiency fitted to the measured entries of ``db`` (a
-    :class:`flexflow.profiledb.ProfileDB`, or any iterable of entry dicts with
+    :class:`flexflow.cost.profiledb.ProfileDB`, or any iterable of entry dicts with
     ``rule``, ``dtype``, ``flops`` and ``fwd_s``) for a device ``spec``.
 
     For each rule: the median over its measured entries (with FLOPs > 0) of
@@ -194,7 +194,7 @@ class CostModel:
     """Per-partition execution time on a machine's devices, memoized.
 
     ``profile``: an object with ``lookup(device_kind, key) -> (fwd_s, bwd_s) |
-    None`` (a :class:`flexflow.profiledb.ProfileDB`); ``efficiency``: rule ->
+    None`` (a :class:`flexflow.cost.profiledb.ProfileDB`); ``efficiency``: rule ->
     fraction of peak overriding ``DEFAULT_EFFICIENCY``; ``overhead``: fixed
     (forward_s, backward_s) per op on the machine's device kind, replacing the
     spec's ``launch_overhead_s`` (see :func:`fit_overhead`); ``fits``: rule ->
@@ -207,7 +207,7 @@ class CostModel:
         self.efficiency = dict(DEFAULT_EFFICIENCY)
         if efficiency:
             self.efficiency.update(efficiency)
-        self.profile = profile  # optional measured times, see flexflow.profile
+        self.profile = profile  # optional measured times, see flexflow.cost.profile
         self.overhead = None if overhead is None else (float(overhead[0]), float(overhead[1]))
         self.fits = dict(fits or {})
         self._memo: dict = {}
@@ -262,7 +262,7 @@ class CostModel:
         return "measured" if self._lookup(op, part, spec) is not None else "analytic"
 
     def eager_ops(self, op: Op, part) -> tuple[int, int]:
-        """(forward, backward) eager ops of a partition (:func:`flexflow.opcount.eager_op_counts`),
+        """(forward, backward) eager ops of a partition (:func:`flexflow.graph.opcount.eager_op_counts`),
         counted once per op and set of split dims."""
         split = tuple(sorted(d.name for d in op.dims if d.name in part.block
                              and tuple(part.block[d.name]) != (0, d.size)))

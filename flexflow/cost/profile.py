@@ -1,4 +1,4 @@
-"""Operator profiler with an on-disk cache, feeding :class:`flexflow.cost.CostModel`.
+"""Operator profiler with an on-disk cache, feeding :class:`flexflow.cost.model.CostModel`.
 
 Each distinct op partition -- (op kind, input/output/parameter region shapes,
 attrs, dtypes), the key of :meth:`CostModel.key` -- is timed once per device:
@@ -25,7 +25,7 @@ host:
   a one-node backward less the cost per node) is taken off each backward, as
   a step's whole backward is one engine call (``bwd_call_s`` records it).
 
-Cache layout: ``flexflow.machine.cache_dir()/profiles/<device name>.json``, one
+Cache layout: ``flexflow.hardware.machine.cache_dir()/profiles/<device name>.json``, one
 file per device name (``cpu-<cpu model>-<threads>t``, ``cuda-<GPU name>``)::
 
     {"format": "flexflow-profile", "version": 2, "device_name": "cuda-NVIDIA_H200",

@@ -1,7 +1,7 @@
 """The operator-profile database: measured (forward_s, backward_s) per cost-model key and
 device, on disk (one JSON file per device name, merged under a lock), plus the read-only
-profiles shipped in the package.  Read by :class:`flexflow.cost.CostModel`; written by the
-profiler (:mod:`flexflow.profile`).  torch is imported only to name this host's devices."""
+profiles shipped in the package.  Read by :class:`flexflow.cost.model.CostModel`; written by the
+profiler (:mod:`flexflow.cost.profile`).  torch is imported only to name this host's devices."""
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +22,10 @@ __all__ = ["ProfileDB", "device_kind_of", "device_name", "profiles_dir", "packag
            "FORMAT", "VERSION"]
 
 FORMAT, VERSION = "flexflow-profile", 3
-# version 2: CPU times are the thread's CPU time (load from other jobs left out) and a
-# backward without the engine call's fixed cost; older files are measured again
-_PKG_DATA = Path(__file__).parent / "data"
+# a file of another version is measured again
+# profiles shipped with the package (flexflow/data/profile-<kind>.json), for device kinds that
+# are not on the planning host; a file put there must be listed as package data in pyproject.toml
+_PKG_DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 # ---- devices -----------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def _kind_from_name(name: str) -> str:
 
 
 def profiles_dir(profile_dir=None) -> Path:
-    """``profile_dir``, else ``flexflow.machine.cache_dir()/profiles``."""
+    """``profile_dir``, else ``flexflow.hardware.machine.cache_dir()/profiles``."""
     if profile_dir is not None:
         return Path(profile_dir)
     return cache_dir() / "profiles"

@@ -1,5 +1,5 @@
 """torch.export front end: a model as its library ships it -> fx graph in the
-form :func:`flexflow.trace._build_graph` reads.
+form :func:`flexflow.graph.trace._build_graph` reads.
 
 ``torch.export.export(module, args, kwargs, strict=False)`` captures the
 training IR (ATen ops before decompositions: ``aten.linear``, ``conv2d``,

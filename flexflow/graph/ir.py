@@ -72,7 +72,7 @@ class Op:
 
     name: str
     kind: str  # specific kind: conv2d, linear, relu, add, lstm_cell, ...
-    rule: str  # the partition rule family in flexflow.ops
+    rule: str  # the partition rule family in flexflow.graph.ops
     inputs: list[str]
     output_shape: tuple[int, ...]
     dtype: torch.dtype

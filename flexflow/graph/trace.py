@@ -3,7 +3,7 @@
 The tracer runs every node on fake tensors as it records it, so shape reads
 (``x.size(0)``, ``x.shape[-1]``) are plain integers and models that read
 shapes in Python trace.  Each fx node then becomes an :class:`Op` whose
-kind and partition rule come from :mod:`flexflow.ops.catalog`.
+kind and partition rule come from :mod:`flexflow.graph.ops.catalog`.
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
 
     ``frontend`` (default ``$FLEXFLOW_FRONTEND`` or ``"auto"``): ``"fx"`` is the
     shape-aware symbolic tracer, ``"export"`` torch.export's training IR
-    (:mod:`flexflow.capture`); ``"auto"`` tries fx on positional-only calls and
+    (:mod:`flexflow.graph.capture`); ``"auto"`` tries fx on positional-only calls and
     falls back to export when fx cannot trace the model.
     """
     if example_inputs is None:

@@ -70,19 +70,12 @@ def _cpu_default() -> "Machine":
     return Machine("cpu", 1, n, spec, LinkSpec(2e9, 50e-6, "loopback"))
 
 
-# what a calibration must have measured to be used as it is (older files lack the cost of a
-# message between compute, the all-reduce figures and the sync skew): detect() calibrates again
+# what a calibration must have measured to be used as it is; a file without one of them is
+# measured again by calibrate.host.ensure_calibrated()
 _CALIBRATION_KEYS = ("exchange_s", "allreduce_latency_s", "allreduce_bandwidth_Bps", "sync_skew", "message_lag_s")
 
 
-# version 3: on a host whose messages share the computing cores, those three figures (and
-# the cost of returning the outputs) are
-# fitted to the executor's steps (flexflow.hostfit); older files are measured again.
-# version 4: the calibration chain's loss (an MSE) splits with the samples, so its data-parallel
-# steps exchange nothing and return the loss on the gradients' all-reduce, as the executor now does
-# version 5: the executor's gloo loop threads run under SCHED_BATCH (execute.batch_gloo_loops), and
-# a message between busy ranks no longer costs a scheduler slice now and then; the part of a
-# message's latency that holds no core is fitted (message_lag_s)
+# The calibration's format; a file of another version is measured again.
 CALIBRATION_VERSION = 5
 
 

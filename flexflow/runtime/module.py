@@ -6,27 +6,16 @@ original module's full tensors.
 """
 
 from __future__ import annotations
-import dataclasses
-import datetime
-import os
-import pickle
-import shutil
-import socket
-import tempfile
-import time
-import traceback
+
 from collections import OrderedDict
+
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from .. import settings
-from ..graph.trace import trace
-from ..hardware.machine import Machine
-from .execute import BUCKET_CAP_MB, REDUCE_OUTPUTS, Runtime, tensor_of
-from .program import check_programs, describe
-from ..sim.memory import optimizer_state_copies
-from ..strategy.config import StrategyError
+
 from ..strategy.strategy import Strategy
+from .execute import Runtime
+from .plan import tensor_of
+from .program import describe
 
 __all__ = ['ParallelModule']
 

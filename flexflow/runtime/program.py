@@ -1,18 +1,21 @@
 """A rank's program in words, and the setup check that all ranks' programs match.
 
 Every rank plans its program on its own from the same graph and strategy
-(:class:`flexflow.execute.Runtime`).  If two ranks ever disagreed (a send
-without its receive, another shape, another order of collectives on a
-group), the first step would hang until the timeout.  :func:`check_programs`
-makes that an error at setup instead: each rank lists the messages it will
-send and receive and the collectives it will launch per process group, the
-lists are exchanged once, and every rank verifies every pair.
+(:class:`flexflow.runtime.plan.Plan`, which the runtime is).  If two ranks
+ever disagreed (a send without its receive, another shape, another order of
+collectives on a group), the first step would hang until the timeout.
+:func:`check_programs` makes that an error at setup instead: each rank lists
+the messages it will send and receive and the collectives it will launch per
+process group (:func:`messages`), the lists are exchanged once, and every
+rank verifies every pair (:func:`check`).  The functions take a plan as well
+as a runtime: the plans of every rank, built in one process, are checked the
+same way.
 """
 from __future__ import annotations
 
 import math
 
-__all__ = ["describe", "messages", "check_programs", "ProgramMismatch"]
+__all__ = ["describe", "messages", "mismatches", "check", "check_programs", "ProgramMismatch"]
 
 
 class ProgramMismatch(RuntimeError):
@@ -90,6 +93,39 @@ def describe(rt) -> str:
     return "\n".join(lines)
 
 
+def mismatches(programs: list) -> list[str]:
+    """The mismatches among the ranks' programs, ``programs[r]`` being rank r's
+    :func:`messages`: every send without its receive on the peer (same tag,
+    shape and dtype) and the other way round, every group whose members launch
+    different collectives; those of the first rank that has any."""
+    problems = []
+    for r, prog in enumerate(programs):
+        for direction, peer, tag, shape, dtype, what in prog["p2p"]:
+            want = ("recv" if direction == "send" else "send", r, tag, shape, dtype)
+            if not any(m[:5] == want for m in programs[peer]["p2p"]):
+                problems.append(f"rank {r} will {direction} {what} (tag {tag}, shape {shape}, {dtype}) "
+                                f"{'to' if direction == 'send' else 'from'} rank {peer}, which has no "
+                                f"matching {want[0]}")
+        for group, seq in prog["collectives"].items():
+            for other in group:
+                theirs = [c[:2] for c in programs[other]["collectives"].get(group, [])]
+                if theirs != [c[:2] for c in seq]:
+                    problems.append(f"ranks {r} and {other} launch different collectives on group {list(group)}: "
+                                    f"{[c[2] for c in seq][:3]} against "
+                                    f"{[c[2] for c in programs[other]['collectives'].get(group, [])][:3]}")
+        if problems:
+            break
+    return problems
+
+
+def check(programs: list) -> None:
+    """Raise :class:`ProgramMismatch` naming the first of :func:`mismatches`, if any."""
+    problems = mismatches(programs)
+    if problems:
+        raise ProgramMismatch("the ranks' programs do not match (this would hang the first step): "
+                              + problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
 def check_programs(rt) -> None:
     """Collective: every rank's messages and collectives match its peers'.
     Raises :class:`ProgramMismatch` on every rank, naming the first mismatch."""
@@ -99,23 +135,4 @@ def check_programs(rt) -> None:
     mine = messages(rt)
     everyone = [None] * rt.world
     dist.all_gather_object(everyone, mine)
-    problems = []
-    for r, prog in enumerate(everyone):
-        for direction, peer, tag, shape, dtype, what in prog["p2p"]:
-            want = ("recv" if direction == "send" else "send", r, tag, shape, dtype)
-            if not any(m[:5] == want for m in everyone[peer]["p2p"]):
-                problems.append(f"rank {r} will {direction} {what} (tag {tag}, shape {shape}, {dtype}) "
-                                f"{'to' if direction == 'send' else 'from'} rank {peer}, which has no "
-                                f"matching {want[0]}")
-        for group, seq in prog["collectives"].items():
-            for other in group:
-                theirs = [c[:2] for c in everyone[other]["collectives"].get(group, [])]
-                if theirs != [c[:2] for c in seq]:
-                    problems.append(f"ranks {r} and {other} launch different collectives on group {list(group)}: "
-                                    f"{[c[2] for c in seq][:3]} against "
-                                    f"{[c[2] for c in everyone[other]['collectives'].get(group, [])][:3]}")
-        if problems:
-            break
-    if problems:
-        raise ProgramMismatch("the ranks' programs do not match (this would hang the first step): "
-                              + problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    check(everyone)

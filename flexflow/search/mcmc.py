@@ -81,7 +81,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     reduce_outputs: how the executor will return the loss to every rank
         (:func:`flexflow.parallelize`), which the simulator prices.
     screen: reject, without simulating, a proposal whose lower bound (the load of
-        its busiest device or link, :class:`flexflow.bound.LoadBound`) already fails
+        its busiest device or link, :class:`flexflow.sim.bound.LoadBound`) already fails
         the acceptance test.  The uniform draw of the test is made before the
         simulation, so the chain is the same with and without the screen; a
         screened proposal counts as an evaluation (``SearchResult.screened``; the

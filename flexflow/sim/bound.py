@@ -5,7 +5,7 @@ at least as long as the busiest resource is busy: for each resource, the sum of 
 of its tasks (forward and backward partitions, transfers on every link of their routes, ring
 all-reduces on their links, optimizer updates), plus, under ``sync="ps"``, the parameter-server
 time added after the task graph.  Each term comes from the same cached integer plans the task
-graph is built from (:mod:`flexflow.plans`), so the bound never exceeds the simulated time.
+graph is built from (:mod:`flexflow.sim.plans`), so the bound never exceeds the simulated time.
 
 :class:`LoadBound` keeps the per-op and per-cluster rows of one strategy; ``lower_bound`` of a
 strategy that differs in a few share groups touches only their ops, their consumers and their

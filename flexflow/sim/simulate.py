@@ -1,7 +1,7 @@
 """Execution simulator: full and delta simulation of one training iteration.
 
 Scheduling (the paper's full simulation): event-driven list scheduling over the task graph of
-:mod:`flexflow.taskgraph`.  Every device and every link runs one task at a time.  Tasks whose
+:mod:`flexflow.sim.taskgraph`.  Every device and every link runs one task at a time.  Tasks whose
 inputs are all done wait in one ready queue ordered by (ready time, canonical priority); the
 first is dequeued and starts at max(ready time, time its resources are free) -- on all of its
 resources at once (a transfer holds every link of its route, an all-reduce its ring's links).

@@ -1,4 +1,4 @@
-"""Delta edits of a :class:`flexflow.taskgraph.TaskGraph`: task allocation that reuses
+"""Delta edits of a :class:`flexflow.sim.taskgraph.TaskGraph`: task allocation that reuses
 released ids, killing tasks, replacing predecessor lists (the scheduler's arrays derive the
 successors, ``schedcore.py``) and :meth:`patch`, which moves the graph to a strategy that differs in a few share groups and
 says which tasks died, changed or were born (the delta simulation in ``simulate.py``)."""

@@ -1,0 +1,187 @@
+"""Gradient sync: the static buckets' all-reduce, and the outputs that ride in one.
+
+A parameter shard held by several ranks (``ParamShard.devices``) has its
+gradient all-reduced (SUM: the loss's partial sums already carry the global
+1/N, so each replica holds a partial of the true gradient) among exactly those
+ranks, in one process group per distinct set of ranks (created once, by every
+rank, in the same order).  The buckets are planned statically
+(:meth:`flexflow.runtime.plan.Plan._plan_buckets`).  A gate's backward runs
+after the backward of every use of its shards (all come later in forward
+order), so it holds the bucket's complete local gradients and launches the
+bucket's all-reduce asynchronously (:meth:`_GradSync.add`); the rest of the
+backward overlaps with it.  An engine callback at the end of the backward
+waits for every handle and adds the reduced gradients to ``param.grad``
+(:meth:`_GradSync.finish`: the gate gives the parameter itself no gradient;
+accumulation over several backward calls works as usual).  Shards held by one
+rank use plain AccumulateGrad.
+
+Under ``reduce_outputs="with_gradients"`` the graph outputs ride in one of
+these buckets (:class:`_Rider`); :class:`Riding` covers an output read before
+the backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import _all_reduce
+from .plan import _Gate
+
+__all__ = ["Riding"]
+
+
+class _Rider:
+    """An output all-reduced inside a gradient bucket (reduce_outputs="with_gradients")."""
+
+    WAITING, SENT, DONE = 0, 1, 2
+    __slots__ = ("name", "full", "state")
+
+    def __init__(self, name: str, full: torch.Tensor):
+        self.name, self.full, self.state = name, full, _Rider.WAITING
+
+
+class Riding:
+    """Outputs riding on the gradient all-reduce, read on a rank (a mixin of
+    :class:`~flexflow.runtime.execute.Runtime`)."""
+
+    def _read_rider(self, job: _Rider) -> None:
+        """An output riding on the gradient all-reduce, at its first read (or at
+        the next step): already there after the backward; read before it, the
+        ride bucket is all-reduced now (see ``_early_ride``)."""
+        if job.state == _Rider.WAITING:
+            self._early_ride()
+        elif job.state == _Rider.SENT:  # read during the backward
+            self.sync.finish()
+
+    def _early_ride(self) -> None:
+        """The outputs read before the backward, on this rank: it takes its part
+        in the ride bucket's all-reduce now, with zeros for its gradients and a
+        1 in the bucket's last element, which counts the ranks that did so.  The
+        other ranks need not know: they launch the bucket in their backward as
+        always, and the sum gives every output's full value.  Every rank then
+        learns from the count that gradients are missing from it, and at the end
+        of the backward every rank makes one more all-reduce of the bucket's
+        gradients (``_GradSync.finish``): these ranks with theirs, the others
+        with zeros.  A read on some ranks only, before the backward, thus costs
+        one collective and never waits for a peer that will not come."""
+        riders, self._riders = self._riders, []
+        pieces = [torch.zeros(self.ride_numel, dtype=self.ride_dtype, device=self.device)]
+        pieces += [job.full.reshape(-1) for job in riders]
+        pieces.append(torch.ones(1, dtype=self.ride_dtype, device=self.device))
+        flat = torch.cat(pieces)
+        work = _all_reduce(flat, self.ride_group)
+        self.wait([work], lambda: f"all_reduce of outputs {[j.name for j in riders]} among all {self.world} "
+                                  f"ranks, read before backward()")
+        _copy_riders(riders, flat, self.ride_numel)
+        self._early.append(flat)
+
+
+def _copy_riders(riders, flat: torch.Tensor, off: int) -> None:
+    """The outputs riding in ``flat`` from ``off`` on, copied into their jobs."""
+    with torch.no_grad():
+        for job in riders:
+            n = job.full.numel()
+            job.full.copy_(flat[off:off + n].view_as(job.full))
+            off += n
+            job.state = _Rider.DONE
+
+
+def _uses(t: torch.Tensor) -> int | None:
+    """How many tensors and views hold ``t``'s storage (None where this torch
+    does not say: then no buffer is reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
+
+
+class _GradSync:
+    """Asynchronous all-reduce of the static gradient buckets, waited at the end of backward."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.works: list = []
+        self.armed = False
+        # (gate op, bucket position) -> (flat buffer, its storage's use count when
+        # nothing else views it).  A bucket's buffer is kept from step to step, as
+        # DDP keeps its buckets: allocating a large bucket afresh every step costs a
+        # page fault per page (tens of ms per 64 MB on a VM).  The gradients are
+        # handed out as views of it, so a buffer is reused only once nothing views
+        # it any more (zero_grad() dropped the gradients and no one kept them).
+        self.buffers: dict = {}
+
+    def add(self, gate: _Gate, grads) -> None:
+        """Launch the gate's buckets (called from its backward, in chain order)."""
+        rt = self.rt
+        if not self.armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.armed = True
+        by_qual = dict(zip(gate.quals, grads))
+        for pos, (key, quals) in enumerate(gate.buckets):
+            params = [rt.params[q] for q in quals]
+            pieces = [(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
+                      for q, p in zip(quals, params)]
+            riders, ride = [], rt.ride == (gate.op, pos)
+            if ride and rt._early:  # this rank took its part early (Runtime._early_ride): repaired at the end
+                early = rt._early.pop(0)
+                self.works.append((None, early, params, key, riders, True, torch.cat(pieces)))
+                continue
+            if ride:  # the outputs ride along (every rank, every step), and a 0: no gradient missing here
+                riders, rt._riders = rt._riders, []
+                pieces += [job.full.reshape(-1) for job in riders]
+                pieces.append(torch.zeros(1, dtype=pieces[0].dtype, device=pieces[0].device))
+            flat = self._flat((gate.op, pos), pieces)
+            work = _all_reduce(flat, rt.ride_group if ride else rt.groups[key])
+            for job in riders:
+                job.state = _Rider.SENT
+            self.works.append((work, flat, params, key, riders, ride, None))
+
+    def _flat(self, slot, pieces) -> torch.Tensor:
+        """The pieces concatenated into the slot's buffer (a new one when it is
+        missing, of another size or dtype, or still viewed by someone)."""
+        n = sum(x.numel() for x in pieces)
+        held = self.buffers.get(slot)
+        if held is not None:
+            buf, alone = held
+            if buf.numel() == n and all(x.dtype == buf.dtype for x in pieces) and _uses(buf) == alone:
+                return torch.cat(pieces, out=buf)
+        buf = torch.cat(pieces)
+        alone = _uses(buf)
+        if alone is not None:
+            self.buffers[slot] = (buf, alone)
+        return buf
+
+    def finish(self) -> None:
+        try:
+            works, self.works = self.works, []
+            for work, flat, params, key, riders, ride, mine in works:
+                if work is None:  # this rank's part was early: its gradients (mine) come in the repair
+                    self._repair(flat, mine.numel(), mine)
+                else:
+                    self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
+                    if ride and flat[-1].item() > 0:  # some rank took its part early
+                        self._repair(flat, sum(p.numel() for p in params), None)
+                off = 0
+                for p in params:
+                    n = p.numel()
+                    g = flat[off:off + n].view_as(p)
+                    off += n
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+                _copy_riders(riders, flat, off)
+        finally:
+            self.reset()
+
+    def _repair(self, flat: torch.Tensor, n: int, mine) -> None:
+        """The ride bucket's gradients that ranks reading the outputs early left
+        out (``Runtime._early_ride``): one more all-reduce on the ride group, in
+        which those ranks give theirs (``mine``) and the others zeros; added to
+        the first ``n`` elements of ``flat`` (the bucket's sum so far)."""
+        rt = self.rt
+        extra = mine if mine is not None else torch.zeros(n, dtype=flat.dtype, device=flat.device)
+        work = _all_reduce(extra, rt.ride_group)
+        rt.wait([work], lambda: "gradients of the ride bucket, after an output was read before backward() "
+                                "on some rank")
+        flat[:n] += extra
+
+    def reset(self) -> None:
+        self.works, self.armed = [], False
