@@ -182,6 +182,12 @@ class Machine:
             raise ValueError(f"machine {self.name!r} has {self.num_devices} devices; cannot keep {n}")
         return dataclasses.replace(self, num_nodes=math.ceil(n / self.devices_per_node), num_devices=n)
 
+    def with_memory(self, nbytes: int) -> "Machine":
+        """The same machine with ``nbytes`` of memory per device (to plan under a cap)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or nbytes <= 0:
+            raise ValueError(f"memory per device must be a positive number of bytes, got {nbytes!r}")
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, memory_bytes=int(nbytes)))
+
     @classmethod
     def detect(cls) -> "Machine":
         """This host: its NVIDIA GPUs as one node (pynvml), else the cpu preset with one

@@ -8,6 +8,9 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
 
 - parameters and buffers of the shards a device holds, and optimizer state (``sgd``: none,
   ``momentum``: one copy, ``adam``: two copies of every trainable shard), the whole step;
+  at a shard level (``ParallelConfig.shard``) the n replicas of a shard keep a 1/n slice of
+  its optimizer state (level 1), of its gradient too (2), of the parameter too (3); at
+  level 3 the full parameter also lives over its users' forward and over their backward;
 - graph inputs and constants a device reads, the whole step;
 - an op's output, from its forward to its last use: the last forward that reads it, or the
   backward of the last op that saves it (``_SAVES``: which inputs each op kind keeps for its
@@ -269,6 +272,10 @@ class Liveness:
         b = 2 * n - 1 - min(us)
         pos += [b, b + 1]
         rows += [cp.synced, -cp.synced]
+        if cp.gathered.any():  # shard level 3: the full parameters from the first user's forward
+            f0, f1 = min(us), max(us)  # to the last's, and again over the users' backward
+            pos += [f0, f1 + 1, g0, b + 1]
+            rows += [cp.gathered, -cp.gathered, cp.gathered, -cp.gathered]
         return np.array(pos, np.int64), np.stack(rows)
 
     def update_temp(self, maxshard: np.ndarray, train: np.ndarray) -> np.ndarray:

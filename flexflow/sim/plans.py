@@ -75,7 +75,7 @@ class _EdgePlan:
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
     __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
-                 "bucket_bytes")
+                 "bucket_bytes", "gathered")
 
 
 class Context:
@@ -461,6 +461,7 @@ class Context:
             return cp
         m, D, oc, ops = self.machine, self.D, self.optimizer_copies, self.ops
         cfgs = {ops[o].name: cfg[o] for o in us}
+        level = max(cfg[o].shard for o in us)  # shard level (ZeRO stage) of the cluster's replicas
         place = param_placement(_SubGraph([ops[o] for o in us]), cfgs)
         devs = [(o, self.template(o, cfg[o]).devs) for o in us]
         cp = _ClusterPlan()
@@ -469,6 +470,7 @@ class Context:
         cp.grad = np.zeros(D, np.int64)      # parameter gradients
         cp.synced = np.zeros(D, np.int64)    # gradients all-reduced (the bucket buffer)
         cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
+        cp.gathered = np.zeros(D, np.int64)  # shard level 3: full parameters while the users run
         cp.busy = np.zeros(self.R, np.int64)
         cp.sync_bytes = 0
         cp.ps_ps = 0  # parameter-server sync time added after the task graph (sync="ps")
@@ -498,6 +500,10 @@ class Context:
                 dur = _ps(m.allreduce_time_s(devices, nb) - m.allreduce_latency_s(devices))
             else:
                 dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
+            if level >= 3 and self.sync != "ps":
+                # a ring reduce-scatter and all-gather move what a ring all-reduce moves
+                # (levels 1-2); level 3 gathers the parameters once more (forward and backward)
+                dur = dur * 3 // 2
             links = tuple(D + l for l in m.allreduce_links(devices))
             if self.comm_on_cores:  # every member's cores reduce and move the buckets
                 links = tuple(sorted(devices)) + links
@@ -507,22 +513,31 @@ class Context:
             ds = set(devices)
             users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]
             cp.syncs.append((pi, si, frozenset(devices), dur, r1, rm, users))
-            cp.sync_bytes += m.allreduce_bytes_sent(devices, nb)
+            sent = m.allreduce_bytes_sent(devices, nb)
+            cp.sync_bytes += sent if level < 3 else sent * 1.5
             for r in links:
                 cp.busy[r] += dur
         for pi, si, sh, nb, trainable in shard_list:
+            # what each replica keeps of the shard at the cluster's level: a 1/n slice of the
+            # optimizer state (level >= 1), of the gradient (>= 2), of the parameter (3)
+            n = len(sh.devices) if trainable and level else 1
+            part = -(-nb // n)
+            value = part if level >= 3 else nb
             for d in sh.devices:
-                cp.mem[d] += nb * (1 + (oc if trainable else 0))  # value, optimizer state
+                cp.mem[d] += value + ((part if level >= 1 else nb) * oc if trainable else 0)  # value, optimizer state
+                if value != nb:
+                    cp.gathered[d] += nb - value
             if not trainable or nb <= 0:
                 continue
             sync = group_sync.get(tuple(sh.devices), -1)
+            grad, upd = (part if level >= 2 else nb), (part if level >= 1 else nb)
             for d in sh.devices:
-                cp.grad[d] += nb
-                cp.maxshard[d] = max(cp.maxshard[d], nb)
+                cp.grad[d] += grad
+                cp.maxshard[d] = max(cp.maxshard[d], upd)
                 if sync >= 0:
                     cp.synced[d] += nb
                 s = m.devices[d].spec
-                upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * nb / s.mem_bw_Bps + s.launch_overhead_s
+                upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * upd / s.mem_bw_Bps + s.launch_overhead_s
                 if sync < 0:
                     upd_bdep.add(d)
                 elif sync not in upd_syncs.get(d, ()):

@@ -1,12 +1,10 @@
-"""The SOAP strategy space: configs, strategies, and the one partition
-function everything else asks "which device holds which slice".
+"""ParallelConfig: how one op is split and placed, and how its parameter replicas
+keep their state.
 
-A :class:`ParallelConfig` gives a degree per parallel dim and the device of
-each partition.  :func:`partitions` turns an (op, config) pair into the
-output region, input regions and parameter regions of every partition;
-:func:`param_placement` derives from the same regions which devices hold
-which parameter block and so which devices all-reduce which gradients.
-The simulator, the memory estimate and the executor all use these two.
+A config gives a degree per parallel dim, the device of each partition, a shard level
+(the ZeRO stages: how the partitions that hold the same parameter region keep the
+parameter, its gradient and its optimizer state) and whether the op's output is
+recomputed in the backward instead of kept.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ['REPLICA', 'StrategyError', 'format_devices', 'ParallelConfig']
+__all__ = ["REPLICA", "SHARD_LEVELS", "StrategyError", "format_devices", "ParallelConfig"]
 
 
 _LETTER = {"n": "S", "s": "T", "r": "R"}  # sample prints as S (the paper), sequence as T, replicas R
@@ -38,12 +36,22 @@ def format_devices(devices) -> str:
     return "[" + ",".join(map(str, devices)) + "]"
 
 
+# shard levels (the ZeRO stages), as printed: what the replicas of a parameter region split
+# among themselves.  0: nothing (each holds parameters, gradients and optimizer state whole,
+# gradients all-reduced); 1: the optimizer state (gradients reduce-scattered, each replica
+# updates its slice, parameters all-gathered for the next step); 2: the gradients too;
+# 3: the parameters too (all-gathered before the op's forward and again before its
+# backward, freed after use: FSDP).
+SHARD_LEVELS = (0, 1, 2, 3)
+
+
 class ParallelConfig:
-    """Frozen: a degree per parallel dim (1 when absent) and one device per partition."""
+    """Frozen: a degree per parallel dim (1 when absent), one device per partition, a shard
+    level (0-3, :data:`SHARD_LEVELS`) and whether the output is recomputed in the backward."""
 
-    __slots__ = ("_degrees", "_devices", "_hash")
+    __slots__ = ("_degrees", "_devices", "_shard", "_recompute", "_hash")
 
-    def __init__(self, degrees: Mapping[str, int], devices):
+    def __init__(self, degrees: Mapping[str, int], devices, shard: int = 0, recompute: bool = False):
         items = []
         for k, v in dict(degrees).items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -56,15 +64,22 @@ class ParallelConfig:
             raise StrategyError(f"config {dict(items)} has {n} partitions but {len(devs)} devices {devs}")
         if len(set(devs)) != len(devs) or any(d < 0 for d in devs):
             raise StrategyError(f"devices {devs} must be distinct non-negative ids")
+        if not isinstance(shard, int) or isinstance(shard, bool) or shard not in SHARD_LEVELS:
+            raise StrategyError(f"shard must be one of {SHARD_LEVELS} (the ZeRO stages), got {shard!r}")
+        if not isinstance(recompute, bool):
+            raise StrategyError(f"recompute must be True or False, got {recompute!r}")
         object.__setattr__(self, "_degrees", tuple(sorted(items)))
         object.__setattr__(self, "_devices", devs)
-        object.__setattr__(self, "_hash", hash((self._degrees, devs)))
+        object.__setattr__(self, "_shard", shard)
+        object.__setattr__(self, "_recompute", recompute)
+        extra = (shard, recompute) if shard or recompute else ()  # the plain config hashes as it always has
+        object.__setattr__(self, "_hash", hash((self._degrees, devs) + extra))
 
     def __setattr__(self, k, v):
         raise AttributeError("ParallelConfig is frozen")
 
     def __reduce__(self):  # pickle (multiprocessing) through the checked constructor
-        return ParallelConfig, (dict(self._degrees), self._devices)
+        return ParallelConfig, (dict(self._degrees), self._devices, self._shard, self._recompute)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -75,6 +90,20 @@ class ParallelConfig:
         return self._devices
 
     @property
+    def shard(self) -> int:
+        return self._shard
+
+    @property
+    def recompute(self) -> bool:
+        return self._recompute
+
+    def with_shard(self, shard: int) -> "ParallelConfig":
+        return ParallelConfig(dict(self._degrees), self._devices, shard, self._recompute)
+
+    def with_recompute(self, recompute: bool = True) -> "ParallelConfig":
+        return ParallelConfig(dict(self._degrees), self._devices, self._shard, recompute)
+
+    @property
     def num_partitions(self) -> int:
         return len(self._devices)
 
@@ -83,24 +112,32 @@ class ParallelConfig:
 
     def __eq__(self, other):
         return (isinstance(other, ParallelConfig) and self._degrees == other._degrees
-                and self._devices == other._devices)
+                and self._devices == other._devices and self._shard == other._shard
+                and self._recompute == other._recompute)
 
     def __hash__(self):
         return self._hash
 
     def __repr__(self):
-        return f"ParallelConfig({dict(self._degrees)}, {self._devices})"
+        extra = (f", shard={self._shard}" if self._shard else "") + (", recompute=True" if self._recompute else "")
+        return f"ParallelConfig({dict(self._degrees)}, {self._devices}{extra})"
 
     def __str__(self):
         items = sorted(self._degrees, key=lambda kv: (kv[0] != "n", kv[0]))
         degs = " ".join(f"{_LETTER.get(k, k.upper())}{v}" for k, v in items) or "whole"
+        degs += (f" Z{self._shard}" if self._shard else "") + (" RC" if self._recompute else "")
         return f"{degs} @{format_devices(self._devices)}"
 
     def to_dict(self) -> dict:
-        return {"degrees": dict(self._degrees), "devices": list(self._devices)}
+        d = {"degrees": dict(self._degrees), "devices": list(self._devices)}
+        if self._shard:
+            d["shard"] = self._shard
+        if self._recompute:
+            d["recompute"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":
         if not isinstance(d, dict) or "devices" not in d:
             raise StrategyError(f"a config needs 'degrees' and 'devices', got {d!r}")
-        return cls(d.get("degrees", {}), d["devices"])
+        return cls(d.get("degrees", {}), d["devices"], d.get("shard", 0), d.get("recompute", False))

@@ -20,7 +20,7 @@ from ..graph.ops import RULES
 from ..graph.ops.base import out_region, region_numel
 from .config import REPLICA, ParallelConfig, StrategyError
 
-__all__ = ['Partition', 'validate_config', 'partitions', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap']
+__all__ = ['Partition', 'validate_config', 'has_param_replicas', 'partitions', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap']
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,24 @@ def validate_config(op: Op, config: ParallelConfig, num_devices: int | None = No
     if num_devices is not None and any(d >= num_devices for d in config.devices):
         raise StrategyError(f"{op.describe()}: config {config} uses device "
                             f"{max(config.devices)} but the machine has {num_devices} devices")
+    if config.shard:
+        if not op.params:
+            raise StrategyError(f"{op.describe()}: shard={config.shard} needs parameters to shard, "
+                                "and this op has none")
+        if not has_param_replicas(op, config):
+            raise StrategyError(f"{op.describe()}: shard={config.shard} needs replicas of a parameter "
+                                f"region to shard among, and under {config} every partition holds "
+                                "its own block (split a sample or attribute dim, or replicate)")
+
+
+def has_param_replicas(op: Op, config: ParallelConfig) -> bool:
+    """Whether two partitions of ``op`` under ``config`` hold the same region of a parameter."""
+    parts = partitions(op, config.with_shard(0) if config.shard else config)
+    for local in op.params:
+        keys = [_key(p.params[local]) for p in parts if local in p.params]
+        if len(set(keys)) < len(keys):
+            return True
+    return False
 
 
 def partitions(op: Op, config: ParallelConfig) -> list[Partition]:

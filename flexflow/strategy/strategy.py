@@ -18,8 +18,8 @@ from typing import Iterator
 
 from ..graph.ir import Op, OpGraph
 from .candidates import candidate_configs
-from .config import REPLICA, ParallelConfig, StrategyError
-from .regions import validate_config
+from .config import REPLICA, SHARD_LEVELS, ParallelConfig, StrategyError
+from .regions import has_param_replicas, validate_config
 
 __all__ = ['Strategy']
 
@@ -161,6 +161,27 @@ class Strategy(Mapping):
             else:
                 configs[op.name] = _sample_config(op, D)
         return cls(graph, configs, machine, name="data_parallel")
+
+    @classmethod
+    def zero(cls, graph: OpGraph, machine, stage: int) -> "Strategy":
+        """Data parallelism with the parameters of every op that has replicas of them at
+        shard level ``stage`` (1: optimizer state, 2: and gradients, 3: and parameters split
+        among the replicas, as ZeRO's stages)."""
+        if stage not in SHARD_LEVELS:
+            raise StrategyError(f"stage must be one of {SHARD_LEVELS}, got {stage!r}")
+        dp = cls.data_parallel(graph, machine)
+        configs = {}
+        for members in graph.groups.values():
+            op, cfg = graph.op(members[0]), dp[members[0]]
+            sharded = cfg.with_shard(stage) if stage else cfg
+            configs[op.name] = (sharded if stage and any(graph.op(m).params and has_param_replicas(graph.op(m), cfg)
+                                                         for m in members) else cfg)
+        return cls(graph, configs, machine, name=f"zero{stage}" if stage != 3 else "fsdp")
+
+    @classmethod
+    def fsdp(cls, graph: OpGraph, machine) -> "Strategy":
+        """Data parallelism with every replicated parameter at shard level 3 (FSDP, ZeRO-3)."""
+        return cls.zero(graph, machine, 3)
 
     @classmethod
     def model_parallel(cls, graph: OpGraph, machine) -> "Strategy":
