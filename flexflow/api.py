@@ -159,7 +159,8 @@ def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd", devi
     else:
         cm, _ = host_cost_model(graph, machine, device, budget * PROFILE_SHARE)
     left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
-    found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm, reduce_outputs=reduce_outputs)
+    found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm, reduce_outputs=reduce_outputs,
+                   shard=False)  # the executor does not run shard levels yet
     dp = found.baselines.get("data_parallel")
     if (dp is not None and dp.feasible and found.result.feasible
             and found.result.iteration_time > dp.iteration_time * (1 - MIN_PREDICTED_GAIN)):

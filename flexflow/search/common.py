@@ -15,6 +15,7 @@ from ..strategy.strategy import Strategy
 
 __all__ = ["SearchError", "SearchResult", "BASELINES"]
 
+# the baselines every search has (``fsdp`` joins them where the graph has parameters to shard)
 BASELINES = ("data_parallel", "model_parallel", "expert", "optcnn")
 Candidates = Callable[[Op, object], Sequence[ParallelConfig]]
 _REL = 1e-12  # relative tolerance: smaller differences are float noise, not improvements

@@ -49,8 +49,11 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            polish: bool = True, temperature: float = 0.01,
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
            screen: bool = True, block: float = 0.1, baseline_results: dict | None = None,
-           reduce_outputs: str = "with_gradients") -> SearchResult:
+           reduce_outputs: str = "with_gradients", shard: bool = True) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
+
+    shard: whether shard levels (``ParallelConfig.shard``) may be chosen: the ``fsdp``
+        baseline is one of the strategies the result is never worse than.
 
     budget: seconds for the whole call (baselines included); ignored when
         ``evaluations`` is given, which makes the run reproducible (same seed and
@@ -108,7 +111,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         init.check(machine)
 
     base = dict(baselines) if baselines is not None else \
-        baseline_strategies(graph, machine, cm, candidates=candidates)
+        baseline_strategies(graph, machine, cm, candidates=candidates, shard=shard)
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")
@@ -236,7 +239,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         run.close()
 
     best, best_res, best_key, source = run.best, run.best_res, run.best_key, "search"
-    for k in BASELINES:  # never worse than a baseline
+    for k in base:  # never worse than a baseline
         kk = run.key(base_res[k])
         if kk[0] == best_key[0] == 1:  # nothing fits: never slower than a baseline either
             kk = (1, base_res[k].iteration_time)
@@ -245,7 +248,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             best, best_res, best_key, source = base[k], base_res[k], kk, k
             converged = False  # the polish's optimum was not this one
     if source == "search":
-        same = next((k for k in BASELINES if base[k] == best), None)
+        same = next((k for k in base if base[k] == best), None)
         if same is not None:  # the search ended where a baseline started: say so
             best, best_res, source = base[same], base_res[same], same
         else:
