@@ -13,6 +13,7 @@ from .graph.ir import Op, OpGraph
 from .graph.trace import TraceError, trace
 from .hardware.machine import Machine
 from .launch import LaunchError, launch  # the function shadows the module name, as search does
+from .plan import Plan, plan  # the function shadows the module name too
 from .search import SearchResult, search  # the function shadows the module name, on purpose
 from .sim.simulate import SimResult, Simulator
 from .strategy.candidates import candidate_configs
@@ -21,7 +22,7 @@ from .strategy.strategy import Strategy
 
 __all__ = ["models", "trace", "TraceError", "Op", "OpGraph", "Machine", "ParallelConfig",
            "Strategy", "StrategyError", "candidate_configs", "CostModel", "Simulator", "SimResult",
-           "search", "SearchResult", "parallelize", "ParallelModule", "launch", "LaunchError"]
+           "search", "SearchResult", "plan", "Plan", "parallelize", "ParallelModule", "launch", "LaunchError"]
 
 # the runtime loads on first use
 _LAZY = {"parallelize": "api", "ParallelModule": "runtime.module"}

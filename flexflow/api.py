@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from . import settings
 from .graph.trace import trace
+from .plan import MIN_PREDICTED_GAIN, Plan, choose
 from .hardware.machine import Machine
 from .runtime.execute import Runtime
 from .runtime.module import ParallelModule
@@ -39,7 +40,7 @@ from .sim.memory import optimizer_state_copies
 from .strategy.config import StrategyError
 from .strategy.strategy import Strategy
 
-__all__ = ["parallelize", "ParallelModule", "default_timeout_s", "host_cost_model", "MIN_PREDICTED_GAIN", "PROFILE_SHARE"]
+__all__ = ["parallelize", "ParallelModule", "default_timeout_s", "host_cost_model", "PROFILE_SHARE"]
 
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -95,12 +96,6 @@ def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
     return m.with_devices(n)
 
 
-# The searched strategy replaces data parallelism only when the simulator
-# predicts at least this gain: predictions carry errors of tens of percent on
-# a shared CPU host, and a near-tie is not worth a riskier plan.
-MIN_PREDICTED_GAIN = 0.05
-
-
 # At most this share of the search budget goes to measuring op partitions on
 # this host before the search (only what the profile cache lacks).
 PROFILE_SHARE = 1 / 3
@@ -142,10 +137,10 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
     return CostModel.for_machine(machine), report
 
 
-def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd", device=None,
-                     reduce_outputs: str = "with_gradients") -> Strategy:
-    """Rank 0's choice: the searched strategy, unless it is predicted less than
-    ``MIN_PREDICTED_GAIN`` faster than data parallelism (then data parallelism).
+def _search_plan(graph, machine, budget: float, optimizer: str = "sgd", device=None,
+                 reduce_outputs: str = "with_gradients", min_gain: float = MIN_PREDICTED_GAIN) -> Plan:
+    """Rank 0's plan: the searched strategy, unless it is predicted less than ``min_gain``
+    faster than data parallelism (then data parallelism).
     With ``device``, the ops are profiled there first (:func:`host_cost_model`,
     within ``PROFILE_SHARE`` of the budget) and the search gets the rest;
     without, the search uses whatever profile of the machine is cached."""
@@ -161,11 +156,9 @@ def _search_strategy(graph, machine, budget: float, optimizer: str = "sgd", devi
     left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
     found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm, reduce_outputs=reduce_outputs,
                    shard=False)  # the executor does not run shard levels yet
-    dp = found.baselines.get("data_parallel")
-    if (dp is not None and dp.feasible and found.result.feasible
-            and found.result.iteration_time > dp.iteration_time * (1 - MIN_PREDICTED_GAIN)):
-        return Strategy.data_parallel(graph, machine)
-    return found.strategy
+    strategy, predicted, chosen = choose(found, graph, machine, min_gain)
+    return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
+                "32-true", min_gain, time.perf_counter() - t0, found.evaluations)
 
 
 def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None):
@@ -262,7 +255,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                 machine: Machine | None = None, timeout_s: float | None = None,
                 bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True,
                 optimizer: str = "sgd", reduce_outputs: str = "with_gradients",
-                profile: bool = True) -> ParallelModule:
+                profile: bool = True, plan: Plan | str | None = None,
+                min_gain: float = MIN_PREDICTED_GAIN) -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
 
     Collective: every rank of the default process group calls it with the
@@ -295,7 +289,19 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     (the detected host), within a third of ``budget``; the measurements are
     cached on disk, so a later call on the same host profiles nothing again.
     False: search on the analytic cost model (and any profile already cached).
+    ``plan``: a :class:`flexflow.Plan` (or its JSON) made by :func:`flexflow.plan`, run as
+    it is (no search); refused, with the reason, when it was made for another graph, another
+    number of devices or another kind of device.  ``min_gain``: the searched strategy
+    replaces data parallelism only when predicted at least this much faster.
+    The returned module's ``plan`` is the plan it runs (searched or given; None for a
+    ``strategy``).
     """
+    if plan is not None and strategy is not None:
+        raise ValueError("parallelize() takes a plan or a strategy, not both")
+    if isinstance(plan, (str, bytes)):
+        plan = Plan.from_json(plan)
+    elif plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a flexflow Plan or its JSON text, got {type(plan).__name__}")
     if example_inputs is None and example_kwargs:
         example_inputs = ()
     optimizer_state_copies(optimizer)  # a clear error for an unknown kind, on every rank
@@ -330,8 +336,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     try:
         ranks = _resolve_devices(devices, world)
         if machine is None:
-            machine = _default_machine(len(ranks), nccl, searching=strategy is None and rank == 0
-                                       and len(ranks) > 1)
+            machine = _default_machine(len(ranks), nccl, searching=strategy is None and plan is None
+                                       and rank == 0 and len(ranks) > 1)
         elif machine.num_devices != len(ranks):
             raise ValueError(f"machine {machine.name!r} has {machine.num_devices} devices but "
                              f"{len(ranks)} ranks take part ({ranks})")
@@ -341,18 +347,25 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
         if not distributed:
             raise
         error = f"{type(e).__name__}: {e}"
-    # strategy: given (validated on every rank), or searched on rank 0 and broadcast
-    if strategy is None:
+    # strategy: given (validated on every rank), a plan's, or searched on rank 0 and broadcast
+    if plan is not None and error is None:
+        try:
+            plan.check_devices(machine, len(ranks))
+            strategy = plan.bind(graph)
+        except StrategyError as e:
+            error = str(e)
+    elif strategy is None:
         payload = [None]
         if rank == 0:
             try:
                 if error is not None:
                     raise RuntimeError(error)
-                found = (_search_strategy(graph, machine, budget, optimizer, device if profile else None,
-                                          reduce_outputs)
-                         if len(ranks) > 1
-                         else Strategy.data_parallel(graph, machine))
-                payload = [("ok", found.to_json())]
+                if len(ranks) > 1:
+                    found = _search_plan(graph, machine, budget, optimizer, device if profile else None,
+                                         reduce_outputs, min_gain)
+                    payload = [("plan", found.to_json())]
+                else:
+                    payload = [("ok", Strategy.data_parallel(graph, machine).to_json())]
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 payload = [("error", f"rank 0 could not choose a strategy: {type(e).__name__}: {e}")]
         if distributed:
@@ -360,6 +373,9 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
         kind, text = payload[0]
         if kind == "error":
             error = error or text
+        elif kind == "plan":
+            plan = Plan.from_json(text)
+            strategy = plan.strategy_json
         else:
             strategy = text
     if error is None:
@@ -374,4 +390,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     runtime = Runtime(graph, chosen, module, ranks, device=device, timeout_s=timeout_s,
                       bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
     check_programs(runtime)  # a mismatch between ranks is an error now, not a hang at the first step
-    return ParallelModule(module, runtime)
+    par = ParallelModule(module, runtime)
+    if plan is not None and plan.strategy is None:
+        plan.strategy = chosen
+    par.plan = plan
+    return par

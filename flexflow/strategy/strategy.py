@@ -121,6 +121,8 @@ class Strategy(Mapping):
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise StrategyError(f"strategy file is not valid JSON: {e}") from None
+        if isinstance(d, dict) and d.get("format") == "flexflow-plan" and isinstance(d.get("strategy"), dict):
+            d = d["strategy"]  # a plan file (flexflow.Plan.to_json) carries its strategy
         if not isinstance(d, dict) or d.get("format") != "flexflow-strategy":
             raise StrategyError("not a flexflow strategy file (missing \"format\": \"flexflow-strategy\")")
         if d.get("graph") != graph.fingerprint():
