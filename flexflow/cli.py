@@ -204,7 +204,7 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def _strategy_arg(name, graph, machine):
+def _strategy_arg(name, graph, machine, precision="32-true"):
     from .strategy.config import StrategyError
     from .strategy.strategy import Strategy
     builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
@@ -213,7 +213,11 @@ def _strategy_arg(name, graph, machine):
         return builtins[name](graph, machine)
     if name == "optcnn":
         from .search import optcnn
-        return optcnn(graph, machine)
+        if precision == "32-true":
+            return optcnn(graph, machine)
+        from .cost.model import CostModel
+        from .cost.precision import priced_cost_model
+        return optcnn(graph, machine, priced_cost_model(CostModel(machine), precision))
     if not os.path.isfile(name):
         raise CLIError(f"--strategy {name!r}: not a built-in (data_parallel, model_parallel, "
                        "expert, optcnn) and no such file")
@@ -224,18 +228,26 @@ def _strategy_arg(name, graph, machine):
         raise CLIError(f"strategy file {name!r}: {e}") from None
 
 
-def _sim_json(label, machine, strategy_name, res, batch):
+def _sim_json(label, machine, strategy_name, res, batch, precision="32-true"):
     return {"model": label, "machine": machine.name, "devices": machine.num_devices,
-            "strategy": strategy_name, "iteration_time_ms": res.iteration_time * 1e3,
+            "strategy": strategy_name, "precision": precision, "iteration_time_ms": res.iteration_time * 1e3,
             "throughput": batch / res.iteration_time if res.iteration_time > 0 else 0.0,
             "comm_bytes": res.comm_bytes, "sync_bytes": res.sync_bytes,
-            "peak_memory_bytes": list(res.peak_memory), "feasible": res.feasible}
+            "peak_memory_bytes": list(res.peak_memory), "feasible": res.feasible,
+            "mfu": getattr(res, "mfu", 0.0)}
 
 
-def _print_sim(label, machine, strategy_name, res, batch):
-    print(f"{label} on {machine.name} ({machine.num_devices} devices), strategy {strategy_name}")
+def _precision_arg(args) -> str:
+    """The --precision name, checked (a one-line error listing the valid names)."""
+    from .cost.precision import precision
+    return precision(args.precision).name
+
+
+def _print_sim(label, machine, strategy_name, res, batch, precision="32-true"):
+    print(f"{label} on {machine.name} ({machine.num_devices} devices), strategy {strategy_name}"
+          + ("" if precision == "32-true" else f", precision {precision}"))
     print(f"  iteration time  {res.iteration_time * 1e3:10.3f} ms   "
-          f"({batch / res.iteration_time:,.0f} samples/s)")
+          f"({batch / res.iteration_time:,.0f} samples/s, MFU {100 * getattr(res, 'mfu', 0.0):.1f}%)")
     print(f"  activations moved {_fmt_bytes(res.comm_bytes):>12}   parameter sync {_fmt_bytes(res.sync_bytes):>12}")
     print(f"  peak memory       {_fmt_bytes(max(res.peak_memory)):>12} (max over devices)"
           f"{'' if res.feasible else '   INFEASIBLE: ' + str(getattr(res, 'message', ''))}")
@@ -258,19 +270,20 @@ def _memory_per_device(res) -> str:
 
 def cmd_simulate(args) -> int:
     machine = _machine(args)
+    precision = _precision_arg(args)
     from .sim.simulate import Simulator
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
     graph = _trace(module, inputs)
-    strategy = _strategy_arg(args.strategy, graph, machine)
-    sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer)
+    strategy = _strategy_arg(args.strategy, graph, machine, precision)
+    sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer, precision=precision)
     res = sim.simulate(strategy, incremental=False)
     if args.trace:
         res.to_chrome_trace(args.trace)
     name = args.strategy if not os.path.isfile(args.strategy) else os.path.basename(args.strategy)
     if args.json:
-        print(json.dumps(_sim_json(label, machine, name, res, graph.batch_size)))
+        print(json.dumps(_sim_json(label, machine, name, res, graph.batch_size, precision)))
     else:
-        _print_sim(label, machine, name, res, graph.batch_size)
+        _print_sim(label, machine, name, res, graph.batch_size, precision)
         if args.trace:
             print(f"  timeline written to {args.trace}")
     return 0
@@ -285,6 +298,7 @@ def _cost_model(machine):
 
 def cmd_search(args) -> int:
     machine = _machine(args)
+    precision = _precision_arg(args)
     from .search import search
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
     graph = _trace(module, inputs)
@@ -295,6 +309,8 @@ def cmd_search(args) -> int:
     if args.evaluations:
         kw["evaluations"] = args.evaluations
     if args.exhaustive:
+        if precision != "32-true":
+            raise CLIError("--exhaustive prices 32-true only; leave out --precision or --exhaustive")
         from .search import exhaustive_search
         strategy, res, explored = exhaustive_search(graph, machine, _cost_model(machine),
                                                     max_states=args.max_states, optimizer=args.optimizer)
@@ -307,7 +323,8 @@ def cmd_search(args) -> int:
         return 0
     result = search(graph, machine, budget=args.budget, seed=args.seed,
                     cost_model=_cost_model(machine), init=init,
-                    progress=None if not args.json else False, optimizer=args.optimizer, **kw)
+                    progress=None if not args.json else False, optimizer=args.optimizer,
+                    precision=precision, **kw)
     if not result.result.feasible:
         raise CLIError(f"no strategy fits device memory (optimizer {args.optimizer}, "
                        f"{result.evaluations} strategies tried); the best: {result.result.message}")
@@ -315,7 +332,7 @@ def cmd_search(args) -> int:
         with open(args.out, "w") as f:
             f.write(result.strategy.to_json())
     if args.json:
-        out = _sim_json(label, machine, "searched", result.result, graph.batch_size)
+        out = _sim_json(label, machine, "searched", result.result, graph.batch_size, precision)
         out["baselines"] = {k: {"iteration_time_ms": r.iteration_time * 1e3,
                                 "comm_bytes": r.comm_bytes, "sync_bytes": r.sync_bytes}
                             for k, r in result.baselines.items()}
@@ -325,7 +342,7 @@ def cmd_search(args) -> int:
         return 0
     print(result.strategy.table())
     print()
-    _print_sim(label, machine, "searched", result.result, graph.batch_size)
+    _print_sim(label, machine, "searched", result.result, graph.batch_size, precision)
     print(f"  search: {result.evaluations} evaluations in {result.seconds:.1f} s")
     base = result.baselines
     print("\n  strategy          iteration ms   speedup   moved        sync")
@@ -374,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--json", action="store_true")
         s.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd",
                        help="whose state counts in the memory per device")
+        s.add_argument("--precision", default="32-true",
+                       help="training precision, as PyTorch Lightning names it: 32-true (the model's own "
+                            "dtypes), bf16-mixed, 16-mixed or bf16-true")
         s.set_defaults(fn=fn)
         if name == "simulate":
             s.add_argument("--strategy", default="data_parallel")

@@ -88,6 +88,7 @@ def lenet_runs(lenet, p100):
     return best, best_res, explored, found
 
 
+@pytest.mark.slow
 def test_lenet_mcmc_reaches_exhaustive_optimum(lenet, p100, lenet_runs):
     """The whole candidate space (about 1.5e10 strategies): branch and bound
     proves the optimum, and the MCMC search finds a strategy just as fast."""
@@ -100,6 +101,7 @@ def test_lenet_mcmc_reaches_exhaustive_optimum(lenet, p100, lenet_runs):
     assert found.result.iteration_time < 0.95 * found.baselines["data_parallel"].iteration_time
 
 
+@pytest.mark.slow
 def test_lenet_results_are_local_optima(lenet, p100, lenet_runs):
     best, _, _, found = lenet_runs
     assert found.local_optimum
@@ -165,9 +167,10 @@ def test_same_seed_and_evaluations_same_strategy(lenet, p100):
     assert a.result.iteration_time == b.result.iteration_time == full.result.iteration_time
 
 
+@pytest.mark.slow
 def test_result_fields_and_json_round_trip(lenet, p100, lenet_runs):
     found = lenet_runs[3]
-    assert set(found.baselines) == set(BASELINES) == set(found.baseline_strategies)
+    assert set(BASELINES) <= set(found.baselines) == set(found.baseline_strategies) <= set(BASELINES) | {"fsdp"}
     assert found.evaluations > 0 and found.seconds > 0 and 0 < found.accept_rate < 1
     times = [t for _, _, t in found.history]
     assert times == sorted(times, reverse=True) and times[-1] == found.result.iteration_time

@@ -26,11 +26,12 @@ class SearchError(ValueError):
 
 
 def _simulator(graph: OpGraph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring",
-               reduce_outputs: str = "with_gradients"):
+               reduce_outputs: str = "with_gradients", precision: str = "32-true"):
     from ..sim.simulate import (
         Simulator,  # imported late: simulate imports nothing from here
     )
-    return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync, reduce_outputs=reduce_outputs)
+    return Simulator(graph, machine, cost_model, optimizer=optimizer, sync=sync, reduce_outputs=reduce_outputs,
+                     precision=precision)
 
 
 # --------------------------------------------------------------------------- space & costs

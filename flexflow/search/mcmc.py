@@ -8,6 +8,8 @@ import time
 import warnings
 
 from ..cost.model import CostModel
+from ..cost.precision import precision as _precision
+from ..cost.precision import priced_cost_model
 from ..graph.ir import OpGraph
 from ..sim.bound import LoadBound
 from ..sim.simulate import deferred_collections
@@ -49,7 +51,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            polish: bool = True, temperature: float = 0.01,
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
            screen: bool = True, block: float = 0.1, baseline_results: dict | None = None,
-           reduce_outputs: str = "with_gradients", shard: bool = True) -> SearchResult:
+           reduce_outputs: str = "with_gradients", shard: bool = True,
+           precision: str = "32-true") -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     shard: whether shard levels (``ParallelConfig.shard``) may be chosen: the ``fsdp``
@@ -91,6 +94,9 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         simulated ones are ``SearchResult.simulations``).  With the screen on, a
         simulation also stops as soon as its schedule proves the proposal would be
         rejected (``Simulator.simulate_within``; ``SearchResult.cut``).
+    precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true": the training precision
+        every simulator prices (see :class:`flexflow.Simulator`); the OptCNN baseline
+        times its ops in it too.
     block: probability that a proposal is a block move: the chosen config then
         continues downstream through up to 8 consumer groups (``_Space.follow``:
         the same config, or the same split of another op kind), as a layer's ops or
@@ -101,6 +107,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         raise SearchError(f"evaluations must be a positive integer, got {evaluations!r}")
     if evaluations is None and not budget > 0:
         raise SearchError(f"budget must be a positive number of seconds, got {budget!r}")
+    precision = _precision(precision).name  # a clear error for an unknown name
     cm = cost_model if cost_model is not None else CostModel(machine)
     space = _Space(graph, machine, candidates)
     if isinstance(init, str):
@@ -111,7 +118,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         init.check(machine)
 
     base = dict(baselines) if baselines is not None else \
-        baseline_strategies(graph, machine, cm, candidates=candidates, shard=shard)
+        baseline_strategies(graph, machine, priced_cost_model(cm, precision), candidates=candidates, shard=shard)
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")
@@ -120,7 +127,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             raise SearchError("baseline_results needs the baselines it was simulated from")
         base_res = dict(baseline_results)
     else:
-        sim0 = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
+        sim0 = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
         base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
     spent = time.perf_counter() - t0
     if evaluations is None and spent >= 0.5 * budget:
@@ -159,7 +166,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     try:
         state, cost, sims, bounds, size = [], [], [], [], []
         for name, s in starts:
-            sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
+            sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
             sims.append(sim)
             state.append(s)
             if name not in base_res and screen and cost and \
@@ -233,7 +240,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         converged = False
         if polish and space.movable:
             converged, polished = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
-                                           reduce_outputs, screen)
+                                           reduce_outputs, screen, precision)
             screened += polished
     finally:
         run.close()
@@ -297,7 +304,7 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> 
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
              optimizer: str = "sgd", sync: str = "ring", reduce_outputs: str = "with_gradients",
-             screen: bool = True) -> tuple[bool, int]:
+             screen: bool = True, precision: str = "32-true") -> tuple[bool, int]:
     """Local descent from the run's best strategy, first improvement: single-group
     changes (in a seeded order) until none improves; then pair moves (two adjacent
     groups, producer and consumer, to one common config: a change the one-group
@@ -306,7 +313,7 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
     single-group or pair change improves: a local optimum), False when the budget
     ran out first; and how many attempts the load lower bound settled (a change whose
     bound is no better than the current cost cannot improve it)."""
-    sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs)
+    sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
     pairs = []
@@ -389,13 +396,13 @@ def _adjacent_groups(graph: OpGraph, space: _Space) -> list[tuple[int, int]]:
 
 
 def is_local_optimum(graph: OpGraph, machine, strategy: Strategy, cost_model=None, *,
-                     candidates: Candidates | None = None, optimizer: str = "sgd"):
+                     candidates: Candidates | None = None, optimizer: str = "sgd", precision: str = "32-true"):
     """(True, None) when no single share-group change (to any candidate config)
     improves ``strategy``; else (False, (op_name, config, iteration_time_s)), the
     first improving change found.  Feasible beats infeasible; ties do not improve."""
     cm = cost_model if cost_model is not None else CostModel(machine)
     space = _Space(graph, machine, candidates)
-    sim = _simulator(graph, machine, cm, optimizer)
+    sim = _simulator(graph, machine, cm, optimizer, precision=precision)
     res = sim.simulate(strategy, incremental=False)
     scale = res.iteration_time
     key = lambda r: (0 if r.feasible else 1, _penalised(r, machine, scale))

@@ -28,6 +28,14 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   copies of the largest shard, one at a time, on CPUs; one copy of every shard at once where
   the optimizer runs multi-tensor kernels, on GPUs).
 
+Dtypes follow the simulator's precision (:mod:`flexflow.cost.precision`): activations (outputs,
+saved and received tensors, activation gradients) in the compute dtype (``Context.cops``),
+parameters, gradients and optimizer state in the parameter dtype, the all-reduce bucket in the
+reduce dtype, level 3's gathered parameters in the all-gather dtype; under ``*-mixed`` below
+level 3 the compute-dtype copies autocast makes of the parameters live from their first
+user's forward to its backward (autocast caches them for the forward, and ops such as linear
+save them for their backward).
+
 Everything here is a function of the strategy alone, never of the schedule, so a delta
 simulation and a full one give the same figures.
 """
@@ -168,10 +176,13 @@ class Liveness:
         if r is not None:
             return r
         ctx, D = self.ctx, self.ctx.D
-        op = ctx.ops[o]
+        op, cop = ctx.ops[o], ctx.cops[o]  # (traced, priced under the precision)
         out, in0, gin = np.zeros(D, np.int64), np.zeros(D, np.int64), np.zeros(D, np.int64)
         on = np.zeros(D, bool)
-        bpe = dtype_bytes(op.dtype)
+        bpe = dtype_bytes(cop.dtype)
+        # input 0 as the op works on it: in its producer's dtype, or under a precision in the
+        # op's own (a loss autocast to float32 keeps a float32 copy of its logits)
+        in0_bpe = None if ctx.precision.native or not cop.input_dtypes else dtype_bytes(cop.input_dtypes[0])
         for p in partitions(op, cfg):
             d = p.device
             on[d] = True
@@ -180,9 +191,9 @@ class Liveness:
                 if reg is None:
                     continue
                 u = ctx.inputs[o][j]
-                nb = region_numel(reg) * dtype_bytes(ctx.ops[u].dtype)
+                nb = region_numel(reg) * dtype_bytes(ctx.cops[u].dtype)
                 if j == 0:
-                    in0[d] += nb
+                    in0[d] += nb if in0_bpe is None else region_numel(reg) * in0_bpe
                 if ctx.everywhere[u]:
                     gin[d] += nb
         r = self._rows[key] = (out, in0, gin, on)
@@ -231,7 +242,7 @@ class Liveness:
             if sv.extra[0]:
                 x = unit[sv.extra[1]] * sv.extra[0]
                 if sv.itemsize:
-                    x = x * sv.itemsize / dtype_bytes(op.dtype)
+                    x = x * sv.itemsize / dtype_bytes(ctx.cops[o].dtype)
                 live(F, B, x.astype(np.int64))
             if rg[o] and self.uses[o]:
                 # gradient of the output: from the first backward that produces it
@@ -276,6 +287,9 @@ class Liveness:
             f0, f1 = min(us), max(us)  # to the last's, and again over the users' backward
             pos += [f0, f1 + 1, g0, b + 1]
             rows += [cp.gathered, -cp.gathered, cp.gathered, -cp.gathered]
+        if cp.cast.any():  # *-mixed: autocast's compute-dtype copies of the parameters, cached
+            pos += [min(us), b + 1]  # from the first use and saved for the backward (linear's
+            rows += [cp.cast, -cp.cast]  # weight) until the first user's backward
         return np.array(pos, np.int64), np.stack(rows)
 
     def update_temp(self, maxshard: np.ndarray, train: np.ndarray) -> np.ndarray:

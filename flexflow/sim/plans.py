@@ -1,30 +1,36 @@
 """Plans of the task graph, cached per (graph, machine, cost model) in a :class:`Context`:
 op templates per (op, config), transfer plans per (input edge, producer config, consumer
-config), parameter plans per (cluster, users' configs).  Regions come only from
-:func:`flexflow.strategy.partitions` and :func:`flexflow.strategy.param_placement`."""
+config), parameter plans per (cluster, users' configs; ``paramplans.py``).  Regions come only
+from :func:`flexflow.strategy.partitions` and :func:`flexflow.strategy.param_placement`.
+
+Under a precision other than ``32-true`` (:mod:`flexflow.cost.precision`) the ops are priced
+as they run in it: ``Context.cops[o]`` is op o with its floating dtypes those of the
+precision's compute (:func:`flexflow.cost.precision.priced_op`), which the templates' times,
+the transfers' bytes and the activations' memory use; partitions and kinds come from the
+traced ops.  Under ``32-true`` ``cops`` holds the traced ops themselves."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..cost.model import GRAD_BUCKET_BYTES
+from ..cost.precision import precision as _precision
+from ..cost.precision import priced_op
 from ..graph.ir import dtype_bytes
 from ..graph.ops import picks_stacked_part
 from ..graph.ops.base import region_numel
 from ..strategy.regions import (
     overlap,
-    param_placement,
     partitions,
     pick_replica,
     validate_config,
 )
 from .memory import Liveness, optimizer_state_copies
+from .paramplans import ParamPlanning
 from .taskkeys import (
     _AB,
     _AMAX,
     _JB,
     _PB,
     PS,
-    SYNC,
     SYNC_MODELS,
     UPD,
     XB,
@@ -54,13 +60,6 @@ def _geometry_key(op) -> tuple:
             op.call_kind, tgt, repr(op.args), repr(sorted(op.kwargs.items())))
 
 
-class _SubGraph:
-    """Just enough of an OpGraph for param_placement over a few ops."""
-
-    def __init__(self, ops):
-        self.compute_ops = ops
-
-
 class _Tmpl:
     """One op under one config: devices and times of its partitions, memory and busy rows."""
     __slots__ = ("devs", "devk", "fwd", "bwd", "busy")
@@ -72,23 +71,20 @@ class _EdgePlan:
     __slots__ = ("recv", "busy", "comm", "identity", "direct", "xq", "xk", "fcols", "bcols")
 
 
-class _ClusterPlan:
-    """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
-    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
-                 "bucket_bytes", "gathered")
-
-
-class Context:
-    """Per (graph, machine, cost model): static structure and caches shared by task graphs.
+class Context(ParamPlanning):
+    """Per (graph, machine, cost model, optimizer, sync, precision): static structure and
+    caches shared by task graphs.
 
     Caches: op templates per (op, config), transfer plans per (input edge, producer config,
     consumer config), parameter plans per (cluster, users' configs).  They only grow."""
 
-    def __init__(self, graph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring"):
+    def __init__(self, graph, machine, cost_model, optimizer: str = "sgd", sync: str = "ring",
+                 precision: str = "32-true"):
         self.graph, self.machine, self.cost = graph, machine, cost_model
         if sync not in SYNC_MODELS:
             raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
         self.optimizer, self.sync = optimizer, sync
+        self.precision = _precision(precision)
         self.optimizer_copies = optimizer_state_copies(optimizer)
         self.comm_on_cores = bool(machine.spec.comm_on_cores)
         # a message's latency that holds no core (comm_on_cores): the transfer task holds its
@@ -96,6 +92,8 @@ class Context:
         self.xfer_lag_s = float(machine.spec.message_lag_s) if self.comm_on_cores else 0.0
         self.xfer_lag_ps = _ps(self.xfer_lag_s) if self.xfer_lag_s > 0 else 0
         ops = self.ops = graph.ops
+        # the ops as priced under the precision (the traced ops themselves under 32-true)
+        self.cops = [priced_op(op, self.precision) for op in ops]
         n = len(ops)
         if n >= 1 << _AB:
             raise ValueError(f"graph has {n} ops; the simulator handles at most {(1 << _AB) - 1}")
@@ -186,6 +184,7 @@ class Context:
         op, D = self.ops[o], self.D
         validate_config(op, cfg, D)
         parts = partitions(op, cfg)
+        priced = self.cops[o]
         t = _Tmpl()
         t.devs = [p.device for p in parts]
         t.devk = {p.device: k for k, p in enumerate(parts)}
@@ -193,7 +192,7 @@ class Context:
         t.busy = np.zeros(self.R, np.int64)
         free = self.free[o]
         for p in parts:
-            f, b = (0.0, 0.0) if free else self.cost.op_time(op, p, p.device)
+            f, b = (0.0, 0.0) if free else self.cost.op_time(priced, p, p.device)
             f, b = _ps(f), _ps(b)
             t.fwd.append(f)
             t.bwd.append(b)
@@ -396,7 +395,7 @@ class Context:
         lo = np.array([[iv[0] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
         hi = np.array([[iv[1] for iv in b] for b in boxes], np.int64).reshape(len(boxes), nd)
         devu = np.array([p.device for p in pu], np.int64)
-        hit = self._obox[key] = (pu, boxes, by_box, single, lo, hi, devu, dtype_bytes(opu.dtype))
+        hit = self._obox[key] = (pu, boxes, by_box, single, lo, hi, devu, dtype_bytes(self.cops[u].dtype))
         return hit
 
     def _in_boxes(self, o: int, co, j: int):
@@ -444,113 +443,3 @@ class Context:
                     out.append((k, bx, n))
         empty = np.zeros(0, np.int64)
         return tuple(np.array(x, np.int64).reshape(-1) for x in zip(*out)) if out else (empty, empty, empty)
-
-    def ps_sync_ps(self, devices, nbytes: int) -> int:
-        """Parameter-server sync of one gradient among ``devices``: every other replica sends
-        it to the first, which sends the updated values back, one transfer after another."""
-        root, rest = devices[0], devices[1:]
-        return sum(self.transfer_ps(d, root, nbytes) + self.transfer_ps(root, d, nbytes) for d in rest)
-
-    def cluster_plan(self, c: int, cfg: list) -> _ClusterPlan:
-        """Parameter plan of cluster c; ``cfg``: op index -> config."""
-        us, pidx = self.clusters[c]
-        reps = self.cluster_reps[c]
-        key = (c, cfg[reps[0]]) if len(reps) == 1 else (c,) + tuple(cfg[r] for r in reps)
-        cp = self._cluster.get(key)
-        if cp is not None:
-            return cp
-        m, D, oc, ops = self.machine, self.D, self.optimizer_copies, self.ops
-        cfgs = {ops[o].name: cfg[o] for o in us}
-        level = max(cfg[o].shard for o in us)  # shard level (ZeRO stage) of the cluster's replicas
-        place = param_placement(_SubGraph([ops[o] for o in us]), cfgs)
-        devs = [(o, self.template(o, cfg[o]).devs) for o in us]
-        cp = _ClusterPlan()
-        cp.syncs, cp.upd = [], {}
-        cp.mem = np.zeros(D, np.int64)       # values (parameters, buffers) + optimizer state
-        cp.grad = np.zeros(D, np.int64)      # parameter gradients
-        cp.synced = np.zeros(D, np.int64)    # gradients all-reduced (the bucket buffer)
-        cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
-        cp.gathered = np.zeros(D, np.int64)  # shard level 3: full parameters while the users run
-        cp.busy = np.zeros(self.R, np.int64)
-        cp.sync_bytes = 0
-        cp.ps_ps = 0  # parameter-server sync time added after the task graph (sync="ps")
-        cp.bucket_bytes = {}  # devices -> gradient bytes they all-reduce (comm_on_cores)
-        upd_s: dict[int, float] = {}
-        upd_syncs: dict[int, list[int]] = {}
-        upd_bdep: set[int] = set()
-        # Gradients of the cluster's shards held by the same devices travel in one
-        # all-reduce (the executor buckets them), charged per bucket share.
-        groups: dict[tuple, list] = {}  # devices -> [bytes, first (param, shard)]
-        shard_list = []
-        for pi in pidx:
-            _, shards, trainable = place[self.param_names[pi]]
-            bpe = dtype_bytes(ops[self.param_first[pi][0]].dtype)
-            for si, sh in enumerate(shards):
-                nb = region_numel(sh.region) * bpe
-                shard_list.append((pi, si, sh, nb, trainable))
-                if trainable and nb > 0 and len(sh.devices) > 1:
-                    g = groups.setdefault(tuple(sh.devices), [0, (pi, si)])
-                    g[0] += nb
-        group_sync: dict[tuple, int] = {}
-        for devices, (nb, (pi, si)) in groups.items():
-            if self.sync == "ps":
-                cp.ps_ps += self.ps_sync_ps(devices, nb)
-                dur = 1  # the sync task only orders the updates; its time comes after the graph
-            elif self.comm_on_cores:  # the bandwidth term; latency per bucket after the graph
-                dur = _ps(m.allreduce_time_s(devices, nb) - m.allreduce_latency_s(devices))
-            else:
-                dur = _ps(m.bucketed_allreduce_time_s(devices, nb, GRAD_BUCKET_BYTES))
-            if level >= 3 and self.sync != "ps":
-                # a ring reduce-scatter and all-gather move what a ring all-reduce moves
-                # (levels 1-2); level 3 gathers the parameters once more (forward and backward)
-                dur = dur * 3 // 2
-            links = tuple(D + l for l in m.allreduce_links(devices))
-            if self.comm_on_cores:  # every member's cores reduce and move the buckets
-                links = tuple(sorted(devices)) + links
-            r1, rm = (links[0], None) if len(links) == 1 else (-1, links)
-            cp.bucket_bytes[devices] = nb
-            group_sync[devices] = len(cp.syncs)
-            ds = set(devices)
-            users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]
-            cp.syncs.append((pi, si, frozenset(devices), dur, r1, rm, users))
-            sent = m.allreduce_bytes_sent(devices, nb)
-            cp.sync_bytes += sent if level < 3 else sent * 1.5
-            for r in links:
-                cp.busy[r] += dur
-        for pi, si, sh, nb, trainable in shard_list:
-            # what each replica keeps of the shard at the cluster's level: a 1/n slice of the
-            # optimizer state (level >= 1), of the gradient (>= 2), of the parameter (3)
-            n = len(sh.devices) if trainable and level else 1
-            part = -(-nb // n)
-            value = part if level >= 3 else nb
-            for d in sh.devices:
-                cp.mem[d] += value + ((part if level >= 1 else nb) * oc if trainable else 0)  # value, optimizer state
-                if value != nb:
-                    cp.gathered[d] += nb - value
-            if not trainable or nb <= 0:
-                continue
-            sync = group_sync.get(tuple(sh.devices), -1)
-            grad, upd = (part if level >= 2 else nb), (part if level >= 1 else nb)
-            for d in sh.devices:
-                cp.grad[d] += grad
-                cp.maxshard[d] = max(cp.maxshard[d], upd)
-                if sync >= 0:
-                    cp.synced[d] += nb
-                s = m.devices[d].spec
-                upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * upd / s.mem_bw_Bps + s.launch_overhead_s
-                if sync < 0:
-                    upd_bdep.add(d)
-                elif sync not in upd_syncs.get(d, ()):
-                    upd_syncs.setdefault(d, []).append(sync)
-        cp.cols = ([x[3] for x in cp.syncs], [x[4] for x in cp.syncs], [x[5] for x in cp.syncs],
-                   [_prio(x[0], SYNC, 0, x[1]) for x in cp.syncs])
-        for d in sorted(upd_s):
-            bdep = [(o, dv.index(d)) for o, dv in devs if d in dv] if d in upd_bdep else []
-            cp.upd[d] = (upd_s[d], upd_syncs.get(d, []), bdep)
-        # a lower bound on this cluster's share of its devices' update tasks: a unit's update
-        # lasts round(sum of its clusters' seconds) >= that sum - 1/2 ps (float slack besides)
-        cp.upd_lb = np.zeros(D, np.int64)
-        for d, (s, _, _) in cp.upd.items():
-            cp.upd_lb[d] = max(0, int(s * PS * (1.0 - 1e-9) - 0.5))
-        self._cluster[key] = cp
-        return cp

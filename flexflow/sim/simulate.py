@@ -30,7 +30,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..cost.model import GRAD_BUCKET_BYTES, CostModel
+from ..cost.model import GRAD_BUCKET_BYTES, CostModel, partition_flops
+from ..cost.precision import precision as _precision
+from ..strategy.config import ParallelConfig
+from ..strategy.regions import partitions
 from .memory import optimizer_state_copies
 from .schedarrays import TaskArrays
 from .schedcore import NO_LIMIT
@@ -66,12 +69,31 @@ class SimResult:
     memory_capacity: list
     num_tasks: int
     strategy_name: str = ""
+    # model FLOPs of one training step and the machine's peak FLOP/s at the compute dtype
+    # (see ``mfu``); 0 where unknown
+    model_flops: float = 0.0
+    peak_flops: float = 0.0
     _trace: Callable | None = field(default=None, repr=False, compare=False)
 
     @property
     def throughput(self) -> float:
         """Iterations per second."""
         return 1.0 / self.iteration_time if self.iteration_time > 0 else float("inf")
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: ``model_flops / (iteration_time * peak_flops)``.
+
+        ``model_flops`` counts one training step: each placed op's forward FLOPs (the op
+        rule's analytic count, 2 per multiply-add, for the whole op: replicas and
+        recomputation are not counted) times 3, the backward taken as twice the forward
+        (the usual 6N-per-token convention; attention's score products count as the ops
+        that compute them).  ``peak_flops``: the sum over the machine's devices of their
+        peak rate at the compute dtype (the precision's; under ``32-true`` the floating
+        dtype that carries most of the model's FLOPs)."""
+        if self.iteration_time <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.model_flops / (self.iteration_time * self.peak_flops)
 
     def to_chrome_trace(self, path) -> None:
         """Write the timeline as Chrome / Perfetto trace JSON (ph "X" events in microseconds;
@@ -108,31 +130,39 @@ class Simulator:
     (:func:`flexflow.parallelize`): "with_gradients" (its default) rides on a gradient
     all-reduce over every device where the strategy has one and moves no activation
     between devices, and costs nothing of its own there; otherwise, and under "eager",
-    the loss's all-reduce adds its latency (``output_sync_s``) to the step."""
+    the loss's all-reduce adds its latency (``output_sync_s``) to the step.
+    ``precision``: "32-true" (the module's own dtypes), "bf16-mixed", "16-mixed" or
+    "bf16-true" (:mod:`flexflow.cost.precision`): ops are timed at the compute dtype's rate,
+    activations, messages and memory counted in their dtypes, gradients synced in the
+    reduce dtype and sharded parameters gathered in the all-gather dtype."""
 
     def __init__(self, graph, machine, cost_model: CostModel | None = None, *, optimizer: str = "sgd",
                  sync: str = "ring", max_delta_fraction: float = 0.25,
-                 reduce_outputs: str = "with_gradients"):
+                 reduce_outputs: str = "with_gradients", precision: str = "32-true"):
         self.graph, self.machine = graph, machine
         self.cost_model = cost_model or CostModel(machine)
         self._fingerprint = machine.fingerprint()
         # simulators sharing a cost model (and graph, machine) share the per-config caches
         shared = self.cost_model.__dict__.setdefault("_simulator_contexts", {})
         optimizer_state_copies(optimizer)  # a clear error for an unknown optimizer
+        self.precision = _precision(precision).name  # a clear error for an unknown name
         if sync not in SYNC_MODELS:
             raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
         if reduce_outputs not in ("eager", "with_gradients"):
             raise ValueError(f"reduce_outputs must be 'eager' or 'with_gradients', got {reduce_outputs!r}")
         self.optimizer, self.sync, self.reduce_outputs = optimizer, sync, reduce_outputs
         key = (id(graph), self._fingerprint, optimizer, sync)
+        if self.precision != "32-true":
+            key += (self.precision,)
         ctx = shared.get(key)
         if ctx is None or ctx.graph is not graph:
-            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer, sync)
+            ctx = shared[key] = Context(graph, machine, self.cost_model, optimizer, sync, self.precision)
         self.ctx = ctx
         self.max_delta_fraction = max_delta_fraction
         out_sync = machine.spec.output_sync_s  # the outputs' all-reduce (calibrated, or one latency)
         self._loss_latency_s = machine.allreduce_latency_s(range(ctx.D)) if out_sync is None or ctx.D < 2 \
             else float(out_sync)
+        self._flops = _model_flops(ctx)
         self._tg: TaskGraph | None = None
         self._sched: _Schedule | None = None
         self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0, "stopped": 0}
@@ -304,9 +334,34 @@ class Simulator:
             memory_capacity=list(cap),
             num_tasks=tg.num_tasks(),
             strategy_name=getattr(strategy, "name", ""),
+            model_flops=self._flops[0],
+            peak_flops=self._flops[1],
         )
         res._trace = lambda: self.timeline(strategy)
         return res
+
+
+def _model_flops(ctx) -> tuple[float, float]:
+    """(model FLOPs of one training step, the machine's peak FLOP/s at the compute dtype):
+    ``SimResult.mfu``'s figures, computed once per context."""
+    hit = ctx.__dict__.get("_model_flops")
+    if hit is None:
+        whole = ParallelConfig({}, (0,))
+        by_dtype: dict = {}
+        for o in ctx.compute:
+            if ctx.free[o]:
+                continue
+            op = ctx.ops[o]
+            f = partition_flops(op, partitions(op, whole)[0])
+            dt = ctx.cops[o].dtype
+            if f > 0 and dt.is_floating_point:
+                by_dtype[dt] = by_dtype.get(dt, 0.0) + f
+        total = 3.0 * sum(by_dtype.values())  # forward + backward (twice the forward)
+        prec = ctx.precision
+        dtype = prec.compute if not prec.native else max(by_dtype, key=by_dtype.get, default="float32")
+        peak = sum(d.spec.flops(dtype) for d in ctx.machine.devices)
+        hit = ctx.__dict__["_model_flops"] = (total, float(peak))
+    return hit
 
 
 @contextlib.contextmanager
