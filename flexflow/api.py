@@ -351,6 +351,9 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     if plan is not None and error is None:
         try:
             plan.check_devices(machine, len(ranks))
+            if plan.precision != "32-true":
+                raise StrategyError(f"plan was made for precision {plan.precision!r}; the executor runs the "
+                                    "module's own dtypes (32-true) for now")
             strategy = plan.bind(graph)
         except StrategyError as e:
             error = str(e)

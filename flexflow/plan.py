@@ -165,9 +165,8 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
     t0 = time.perf_counter()
     graph = trace(module, example_inputs, example_kwargs)
-    kw = {"precision": precision} if precision != "32-true" else {}
     found = search(graph, machine, budget=budget, seed=seed, cost_model=cost_model, evaluations=evaluations,
-                   optimizer=optimizer, shard=shard, **kw)
+                   optimizer=optimizer, shard=shard, precision=precision)
     strategy, predicted, chosen = choose(found, graph, machine, min_gain)
     return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
                 precision, min_gain, time.perf_counter() - t0, found.evaluations)
