@@ -125,6 +125,7 @@ def test_zoo_stays_on_the_fx_tracer():
     assert g.frontend == "fx" and any(op.kind == "lstm_cell" for op in g.ops) and not g.opaque
 
 
+@pytest.mark.slow
 def test_parallelize_keyword_inputs_dict_outputs_two_ranks():
     res = ff.launch(C.train_kwlm, 2, timeout_s=300)
     for r in res:

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import flexflow as ff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +20,7 @@ def _train(tmp_path, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_gives_the_same_losses(tmp_path):
     module, inputs = ff.models.get("rnnlm", size="small", batch_size=6)
     graph = ff.trace(module, inputs)

@@ -115,6 +115,7 @@ def _check(results, model, mode):
     return recs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(c[0], c[2]) for c in CASES_2], ids=_ids(CASES_2))
 def test_equivalence_2_ranks(results_2, model, mode):
     recs = _check(results_2, model, mode)
@@ -124,6 +125,7 @@ def test_equivalence_2_ranks(results_2, model, mode):
         assert next(r for r in recs if r["spec"] == "data_parallel")["exchanges"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread policies are Linux's")
 def test_gloo_loop_threads_of_the_runtime_do_not_preempt(results_2):
     """The event-loop threads of the groups a runtime creates run under SCHED_BATCH
@@ -135,11 +137,13 @@ def test_gloo_loop_threads_of_the_runtime_do_not_preempt(results_2):
             assert all(rec["loop_threads"]), f"{where}: loop threads not under SCHED_BATCH: {rec['loop_threads']}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,mode", [(c[0], c[2]) for c in CASES_4], ids=_ids(CASES_4))
 def test_equivalence_4_ranks(results_4, model, mode):
     _check(results_4, model, mode)
 
 
+@pytest.mark.slow
 def test_refused_strategies_on_every_rank(suite_2):
     """Every rank refuses (no rank hangs: the launch would fail at its timeout)."""
     results = suite_2
@@ -168,6 +172,7 @@ def _failure(how: str, timeout_s: float) -> str:
     return msg
 
 
+@pytest.mark.slow
 def test_rank_that_dies_fails_the_others():
     """Rank 1 raises right after parallelize: launch reports both ranks' tracebacks,
     and rank 0 fails on the closed connection, not by waiting out its timeout."""
@@ -176,6 +181,7 @@ def test_rank_that_dies_fails_the_others():
     assert not re.search(r"timed out", msg, re.IGNORECASE), msg
 
 
+@pytest.mark.slow
 def test_rank_that_hangs_times_out():
     """Rank 1 hangs: rank 0 fails at its receive's timeout (parallelize(timeout_s=3)),
     rank 1 is stopped."""
@@ -184,6 +190,7 @@ def test_rank_that_hangs_times_out():
     assert re.search(r"timed out", msg, re.IGNORECASE), msg
 
 
+@pytest.mark.slow
 def test_single_process_matches_module():
     for name in ("lenet", "transformer", "rnnlm"):
         module, inputs = ff.models.get(name, batch_size=3, size="small")

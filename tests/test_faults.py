@@ -18,6 +18,8 @@ import torch
 import _dist_workers as W
 from flexflow.launch import LaunchError, launch
 
+pytestmark = pytest.mark.slow  # every test here spawns ranks and waits on faults
+
 
 def _leftovers():
     # torch's shared-memory tensors (other jobs on the host may own other /dev/shm entries)

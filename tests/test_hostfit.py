@@ -37,6 +37,7 @@ def _steps(machine) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("truth", [(250e-6, 700e-6, 0.05, 1.2e9, 100e-6, 150e-6),
                                    (120e-6, 200e-6, 0.12, 5e9, 900e-6, 0.0),
                                    (200e-6, 400e-6, 0.08, 2e9, 300e-6, 200e-6)])
@@ -146,6 +147,7 @@ def test_a_failed_fit_keeps_the_micro_figures(monkeypatch):
     assert figs["allreduce_latency_s"] == FIGURES["allreduce_latency_s"] and "output_sync_s" not in figs
 
 
+@pytest.mark.slow
 def test_fit_caps_the_skew():
     """A skew above the cap (noise in the data-parallel chains, in practice) is held at the
     cap, and the all-reduce latency refitted with it; every other figure still fits."""

@@ -209,6 +209,7 @@ def _walk_inner(g, machine, steps, seed, check_every, validate_every, options):
     return delta
 
 
+@pytest.mark.slow
 def test_delta_equals_full_on_1000_random_changes(inception, p100_16):
     sim = _walk(inception, p100_16, 1000, seed=1)
     assert sim.stats["delta"] >= 900  # (a change of many ops at once falls back to full)
@@ -261,6 +262,7 @@ def _walk_within_inner(g, machine, steps, seed, **options):
     return lim
 
 
+@pytest.mark.slow
 def test_simulate_within_stops_exactly_when_slower(inception, nmt_small, lenet):
     _walk_within(inception, Machine.preset("p100-cluster", devices=16), 120, seed=11)
     _walk_within(nmt_small, Machine.preset("k80-cluster", devices=8), 80, seed=12, sync="ps", optimizer="adam")
@@ -305,6 +307,7 @@ print(json.dumps({"jit": JIT, "times": out}))
 """
 
 
+@pytest.mark.slow
 def test_interpreted_core_gives_the_same_results():
     """Without numba (or with FLEXFLOW_NO_JIT=1) the scheduling kernels run interpreted, with
     numpy's bounds checks, and give the same results as compiled."""

@@ -33,6 +33,7 @@ def _count(graph, kind):
     return sum(1 for op in graph.ops if op.kind == kind)
 
 
+@pytest.mark.slow
 def test_paper_sizes_structure():
     g = ff.trace(*ff.models.get("inception_v3", device="meta"))
     assert _count(g, "conv2d") >= 94
