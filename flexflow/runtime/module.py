@@ -2,11 +2,16 @@
 
 Its ``parameters()`` are the rank's shards, its forward takes the global inputs
 and returns the full outputs on every rank, and its state dict speaks the
-original module's full tensors.
+original module's full tensors.  In a training loop: ``clip_grad_norm_`` and
+``grad_norm`` take the whole model's gradient norm (so does torch's own
+``clip_grad_norm_`` over ``parameters()``: :mod:`.gradnorm`), several
+``backward()`` before one optimizer step accumulate, and ``no_sync()`` skips
+the gradient all-reduce of the backward passes inside it, as DDP's does.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -14,6 +19,7 @@ import torch.nn as nn
 
 from ..strategy.strategy import Strategy
 from .execute import Runtime
+from .gradnorm import NormScope, global_norm, scale_grads_, shard_grad
 from .plan import tensor_of
 from .program import describe
 
@@ -34,6 +40,14 @@ class ParallelModule(nn.Module):
     collective); ``load_state_dict()`` takes such a dict on every rank and
     keeps each rank's blocks.  ``train()``/``eval()`` also switch the
     original module, whose Dropout and BatchNorm the ops read.
+
+    Gradients: ``clip_grad_norm_(max_norm)`` clips by the global norm of the
+    whole model's gradients (each parameter block once, the same on every
+    rank; collective), as ``torch.nn.utils.clip_grad_norm_`` does in one
+    process; ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
+    on every rank computes the same (the shards' gradients are
+    :class:`~flexflow.runtime.gradnorm.ShardGrad` tensors); ``grad_norm()``
+    only reports it.  ``no_sync()``: see there.
     """
 
     def __init__(self, module: nn.Module, runtime: Runtime):
@@ -46,10 +60,13 @@ class ParallelModule(nn.Module):
         for qual, b in runtime.buffers.items():
             owner, name = self._owner(qual)
             owner.register_buffer(name, b)
-        if not runtime.params:
-            # A rank that holds no parameter block still gets a (0-element) parameter,
-            # so that ``torch.optim.X(model.parameters())`` works on every rank.
-            self.register_parameter("_no_shard", nn.Parameter(torch.empty(0, device=runtime.device)))
+        if not any(p.requires_grad for p in runtime.params.values()):
+            # A rank that holds no (trainable) parameter block still gets a (0-element)
+            # parameter, so that ``torch.optim.X(model.parameters())`` works on every rank,
+            # and torch's clip_grad_norm_ takes part in the global norm here too.
+            self.register_parameter("_no_shard", _NoShard(torch.empty(0, device=runtime.device),
+                                                          scope=runtime.sync.scope))
+        self.require_backward_grad_sync = True  # False inside no_sync() (DDP's name)
         self.train(module.training)
 
     def _owner(self, qual: str):
@@ -89,7 +106,44 @@ class ParallelModule(nn.Module):
         return describe(self._runtime)
 
     def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():  # the backward of this forward synchronizes or not
+            self._runtime.sync.skip = not self.require_backward_grad_sync
         return self._runtime.run(self._runtime.graph.flat_inputs(inputs, kwargs))
+
+    # -- gradients ------------------------------------------------------------
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The ``norm_type``-norm of the whole model's gradients, each parameter
+        block counted once: a 0-dim tensor, the same on every rank (collective:
+        every rank calls it).  ``norm_type``: any p but 0, or ``inf``/``-inf``."""
+        return global_norm(self._runtime, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: every rank's
+        shards scaled by ``min(1, max_norm / (total + 1e-6))`` where ``total`` is
+        :meth:`grad_norm`, which it returns (collective: every rank calls it)."""
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same on every rank
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               f"non-finite, so it cannot be clipped. To disable this error and scale the "
+                               f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        scale_grads_(self._runtime, max_norm, total, foreach)
+        return total
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Within it, the backward of each forward exchanges no parameter gradient
+        between the ranks holding a parameter block (only the activations' gradients
+        move, and the outputs are still summed): each rank accumulates its own, and
+        the first backward of a forward outside it all-reduces them with its own, so
+        that several micro-batches accumulate as in one process (DDP's no_sync).  An
+        optimizer step belongs after that synchronized backward."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -120,3 +174,23 @@ class ParallelModule(nn.Module):
         rt = self._runtime
         return (f"strategy={rt.strategy.name!r}, rank={rt.rank}, devices={rt.ranks}, "
                 f"exchanges={rt.num_exchanges}")
+
+
+class _NoShard(nn.Parameter):
+    """The empty parameter of a rank that holds no trainable block.  Its gradient is
+    always an empty shard gradient (``zero_grad()`` cannot drop it), so that torch's
+    clip_grad_norm_ on this rank takes its (empty) part in the global norm."""
+
+    def __new__(cls, data, requires_grad: bool = True, scope: NormScope | None = None):
+        self = super().__new__(cls, data, requires_grad=requires_grad)
+        self._ff_grad = shard_grad(torch.zeros_like(data), scope, False)
+        return self
+
+    @property
+    def grad(self):
+        return self._ff_grad
+
+    @grad.setter
+    def grad(self, value):
+        if value is not None and value.numel():
+            raise RuntimeError("the placeholder parameter of a rank holding no block has no gradient")

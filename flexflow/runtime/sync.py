@@ -13,7 +13,17 @@ backward overlaps with it.  An engine callback at the end of the backward
 waits for every handle and adds the reduced gradients to ``param.grad``
 (:meth:`_GradSync.finish`: the gate gives the parameter itself no gradient;
 accumulation over several backward calls works as usual).  Shards held by one
-rank use plain AccumulateGrad.
+rank use plain AccumulateGrad.  Every shard's gradient is a
+:class:`~flexflow.runtime.gradnorm.ShardGrad` (the global norm for torch's
+clipping utilities).
+
+``ParallelModule.no_sync()`` sets :attr:`_GradSync.skip` for the forwards
+inside it: their backward all-reduces no bucket (the outputs riding in one
+are all-reduced alone), and each replicated shard keeps its local gradient --
+in ``param.grad`` where that held nothing synchronized, else aside -- which
+the bucket of the next synchronized backward adds to its own gradient
+(:meth:`_GradSync._local_part`), as one process accumulating the same
+micro-batches would.
 
 Under ``reduce_outputs="with_gradients"`` the graph outputs ride in one of
 these buckets (:class:`_Rider`); :class:`Riding` covers an output read before
@@ -21,9 +31,12 @@ the backward.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .comm import _all_reduce
+from .gradnorm import NormScope, install_hooks, shard_grad
 from .plan import _Gate
 
 __all__ = ["Riding"]
@@ -64,14 +77,15 @@ class Riding:
         with zeros.  A read on some ranks only, before the backward, thus costs
         one collective and never waits for a peer that will not come."""
         riders, self._riders = self._riders, []
-        pieces = [torch.zeros(self.ride_numel, dtype=self.ride_dtype, device=self.device)]
+        # under no_sync the bucket carries the outputs alone (_GradSync.add does the same)
+        pieces = [] if self.sync.skip else [torch.zeros(self.ride_numel, dtype=self.ride_dtype, device=self.device)]
         pieces += [job.full.reshape(-1) for job in riders]
         pieces.append(torch.ones(1, dtype=self.ride_dtype, device=self.device))
         flat = torch.cat(pieces)
         work = _all_reduce(flat, self.ride_group)
         self.wait([work], lambda: f"all_reduce of outputs {[j.name for j in riders]} among all {self.world} "
                                   f"ranks, read before backward()")
-        _copy_riders(riders, flat, self.ride_numel)
+        _copy_riders(riders, flat, 0 if self.sync.skip else self.ride_numel)
         self._early.append(flat)
 
 
@@ -92,6 +106,18 @@ def _uses(t: torch.Tensor) -> int | None:
     return None if count is None else count(t.untyped_storage()._cdata)
 
 
+class _Job:
+    """A bucket's all-reduce in flight (``work`` None: this rank took its part early,
+    its gradients ``mine`` go in the repair); ``whole``: per shard, whether the sum
+    replaces ``param.grad`` (which held only this rank's unsynchronized gradient)."""
+
+    __slots__ = ("work", "flat", "quals", "params", "key", "riders", "ride", "mine", "whole")
+
+    def __init__(self, work, flat, quals, params, key, riders, ride, mine, whole):
+        self.work, self.flat, self.quals, self.params, self.key = work, flat, quals, params, key
+        self.riders, self.ride, self.mine, self.whole = riders, ride, mine, whole
+
+
 class _GradSync:
     """Asynchronous all-reduce of the static gradient buckets, waited at the end of backward."""
 
@@ -106,6 +132,13 @@ class _GradSync:
         # handed out as views of it, so a buffer is reused only once nothing views
         # it any more (zero_grad() dropped the gradients and no one kept them).
         self.buffers: dict = {}
+        self.skip = False  # the last forward with autograd ran under no_sync(): no bucket is all-reduced
+        # qual -> (weak reference to the param.grad it belongs to, the gradient kept aside or
+        # None where param.grad itself holds it): a replicated shard's local, unsynchronized
+        # gradient from backward passes under no_sync()
+        self.local: dict = {}
+        self.scope = NormScope(rt)
+        install_hooks(rt.params, self.scope)
 
     def add(self, gate: _Gate, grads) -> None:
         """Launch the gate's buckets (called from its backward, in chain order)."""
@@ -114,14 +147,23 @@ class _GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.armed = True
         by_qual = dict(zip(gate.quals, grads))
+        if self.skip:
+            self._keep_local(by_qual)
+            for pos, (key, quals) in enumerate(gate.buckets):
+                if rt.ride == (gate.op, pos):
+                    self._ride_alone(key)
+            return
         for pos, (key, quals) in enumerate(gate.buckets):
             params = [rt.params[q] for q in quals]
-            pieces = [(by_qual[q] if by_qual[q] is not None else torch.zeros_like(p)).reshape(-1)
-                      for q, p in zip(quals, params)]
+            pieces, whole = [], []
+            for q, p in zip(quals, params):
+                g, replaces = self._local_part(q, p, by_qual[q])
+                pieces.append((g if g is not None else torch.zeros_like(p)).reshape(-1))
+                whole.append(replaces)
             riders, ride = [], rt.ride == (gate.op, pos)
             if ride and rt._early:  # this rank took its part early (Runtime._early_ride): repaired at the end
                 early = rt._early.pop(0)
-                self.works.append((None, early, params, key, riders, True, torch.cat(pieces)))
+                self.works.append(_Job(None, early, quals, params, key, riders, True, torch.cat(pieces), whole))
                 continue
             if ride:  # the outputs ride along (every rank, every step), and a 0: no gradient missing here
                 riders, rt._riders = rt._riders, []
@@ -131,8 +173,52 @@ class _GradSync:
             work = _all_reduce(flat, rt.ride_group if ride else rt.groups[key])
             for job in riders:
                 job.state = _Rider.SENT
-            self.works.append((work, flat, params, key, riders, ride, None))
+            self.works.append(_Job(work, flat, quals, params, key, riders, ride, None, whole))
 
+    # -- no_sync ------------------------------------------------------------
+    def _keep_local(self, by_qual) -> None:
+        """Under no_sync: each replicated shard's gradient stays on this rank, added to
+        ``param.grad`` where that holds only such gradients, else kept aside."""
+        for q, g in by_qual.items():
+            if g is None:
+                continue
+            p = self.rt.params[q]
+            held, entry = p.grad, self.local.get(q)
+            if held is not None and entry is not None and entry[0]() is held:
+                (entry[1] if entry[1] is not None else held).add_(g)
+            elif held is None:
+                p.grad = shard_grad(g.clone(memory_format=torch.contiguous_format), self.scope,
+                                    self.scope.owner[q])
+                self.local[q] = (weakref.ref(p.grad), None)
+            else:  # param.grad holds synchronized gradients: this one waits aside
+                self.local[q] = (weakref.ref(held), g.clone(memory_format=torch.contiguous_format))
+
+    def _local_part(self, q: str, p, g):
+        """The gradient this rank gives to shard ``q``'s all-reduce: ``g`` plus what the
+        backward passes under no_sync left (unless zero_grad() dropped it since), and
+        whether the sum replaces ``param.grad`` (it held that part alone)."""
+        entry = self.local.pop(q, None)
+        if entry is None or p.grad is None or entry[0]() is not p.grad:
+            return g, False
+        kept = (entry[1] if entry[1] is not None else p.grad).as_subclass(torch.Tensor)
+        return (kept if g is None else g + kept), entry[1] is None
+
+    def _ride_alone(self, key) -> None:
+        """Under no_sync, the outputs riding in this bucket are all-reduced without its
+        gradients (``Runtime._early_ride`` sends the same shape)."""
+        rt = self.rt
+        if rt._early:  # this rank's part was taken at the read
+            rt._early.pop(0)
+            return
+        riders, rt._riders = rt._riders, []
+        flat = torch.cat([job.full.reshape(-1) for job in riders]
+                         + [torch.zeros(1, dtype=rt.ride_dtype, device=rt.device)])
+        work = _all_reduce(flat, rt.ride_group)
+        for job in riders:
+            job.state = _Rider.SENT
+        self.works.append(_Job(work, flat, [], [], key, riders, False, None, []))
+
+    # -- end of backward ----------------------------------------------------
     def _flat(self, slot, pieces) -> torch.Tensor:
         """The pieces concatenated into the slot's buffer (a new one when it is
         missing, of another size or dtype, or still viewed by someone)."""
@@ -151,23 +237,26 @@ class _GradSync:
     def finish(self) -> None:
         try:
             works, self.works = self.works, []
-            for work, flat, params, key, riders, ride, mine in works:
-                if work is None:  # this rank's part was early: its gradients (mine) come in the repair
-                    self._repair(flat, mine.numel(), mine)
+            owner = self.scope.owner
+            for job in works:
+                flat = job.flat
+                if job.work is None:  # this rank's part was early: its gradients (mine) come in the repair
+                    self._repair(flat, job.mine.numel(), job.mine)
                 else:
-                    self.rt.wait([work], lambda: f"gradient all-reduce among ranks {list(key)} (end of backward)")
-                    if ride and flat[-1].item() > 0:  # some rank took its part early
-                        self._repair(flat, sum(p.numel() for p in params), None)
+                    self.rt.wait([job.work], lambda: f"gradient all-reduce among ranks {list(job.key)} "
+                                                     f"(end of backward)")
+                    if job.ride and flat[-1].item() > 0:  # some rank took its part early
+                        self._repair(flat, sum(p.numel() for p in job.params), None)
                 off = 0
-                for p in params:
+                for q, p, whole in zip(job.quals, job.params, job.whole):
                     n = p.numel()
                     g = flat[off:off + n].view_as(p)
                     off += n
-                    if p.grad is None:
-                        p.grad = g
+                    if p.grad is None or whole:
+                        p.grad = shard_grad(g, self.scope, owner[q])
                     else:
                         p.grad.add_(g)
-                _copy_riders(riders, flat, off)
+                _copy_riders(job.riders, flat, off)
         finally:
             self.reset()
 
