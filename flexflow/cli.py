@@ -328,9 +328,12 @@ def cmd_search(args) -> int:
     if not result.result.feasible:
         raise CLIError(f"no strategy fits device memory (optimizer {args.optimizer}, "
                        f"{result.evaluations} strategies tried); the best: {result.result.message}")
-    if args.out:
+    if args.out:  # a plan (strategy, predictions, baselines, machine); it reads as a strategy file too
+        from .plan import Plan
+        plan = Plan(result.strategy, result.result, dict(result.baselines), machine, graph.fingerprint(),
+                    result.source, args.optimizer, precision, 0.0, result.seconds, result.evaluations)
         with open(args.out, "w") as f:
-            f.write(result.strategy.to_json())
+            f.write(plan.to_json())
     if args.json:
         out = _sim_json(label, machine, "searched", result.result, graph.batch_size, precision)
         out["baselines"] = {k: {"iteration_time_ms": r.iteration_time * 1e3,
@@ -351,7 +354,8 @@ def cmd_search(args) -> int:
         print(f"  {k:<16} {r.iteration_time * 1e3:12.3f} {sp:8.2f}x   "
               f"{_fmt_bytes(r.comm_bytes):>10} {_fmt_bytes(r.sync_bytes):>10}")
     if args.out:
-        print(f"\nstrategy written to {args.out}")
+        print(f"\nplan written to {args.out} (flexflow simulate --strategy {args.out}, "
+              f"or flexflow.Plan.from_json to run it with parallelize(plan=))")
     return 0
 
 
