@@ -155,7 +155,7 @@ def _search_plan(graph, machine, budget: float, optimizer: str = "sgd", device=N
         cm, _ = host_cost_model(graph, machine, device, budget * PROFILE_SHARE)
     left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
     found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm, reduce_outputs=reduce_outputs,
-                   shard=False)  # the executor does not run shard levels yet
+                   shard=False, recompute=False)  # the executor runs neither yet
     strategy, predicted, chosen = choose(found, graph, machine, min_gain)
     return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
                 "32-true", min_gain, time.perf_counter() - t0, found.evaluations)

@@ -154,7 +154,8 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
 
     ``min_gain``: the searched strategy is kept only when the simulator predicts it at least
     this much faster than data parallelism (default 5%); else the plan is data parallelism.
-    ``shard``: whether shard levels (the ``fsdp`` baseline) may be chosen."""
+    ``shard``: whether shard levels and recomputation may be chosen (the search's levers:
+    :func:`flexflow.search`'s ``shard`` and ``recompute``)."""
     if example_inputs is None and example_kwargs:
         example_inputs = ()
     if example_inputs is None:
@@ -166,7 +167,7 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     t0 = time.perf_counter()
     graph = trace(module, example_inputs, example_kwargs)
     found = search(graph, machine, budget=budget, seed=seed, cost_model=cost_model, evaluations=evaluations,
-                   optimizer=optimizer, shard=shard, precision=precision)
+                   optimizer=optimizer, shard=shard, recompute=shard, precision=precision)
     strategy, predicted, chosen = choose(found, graph, machine, min_gain)
     return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
                 precision, min_gain, time.perf_counter() - t0, found.evaluations)

@@ -19,8 +19,13 @@ memory costs its time plus a penalty (see :func:`_penalised`), and the best
 *feasible* strategy always wins over any infeasible one.  When nothing fits,
 the result is still no slower than any baseline.
 
+Where memory binds, shard levels and recomputation join the space as levers of a
+group's config (``levers``): carried over its split changes, changed one group or one op
+kind at a time.
+
 Modules: ``common`` (space, costs, result, budget), ``mcmc`` (:func:`search`,
-:func:`is_local_optimum`), ``baselines``, ``optcnn``, ``exhaustive``.
+:func:`is_local_optimum`), ``levers`` (shard levels and recomputation), ``baselines``,
+``optcnn``, ``exhaustive``.
 """
 from .baselines import baseline_strategies
 from .common import BASELINES, SearchError, SearchResult, _Space

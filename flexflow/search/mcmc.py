@@ -16,6 +16,7 @@ from ..sim.simulate import deferred_collections
 from ..sim.taskkeys import PS
 from ..strategy.strategy import Strategy
 from .baselines import baseline_strategies
+from .levers import LEVER_MOVE, Levers
 from .common import (
     BASELINES,
     Candidates,
@@ -52,11 +53,16 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
            screen: bool = True, block: float = 0.1, baseline_results: dict | None = None,
            reduce_outputs: str = "with_gradients", shard: bool = True,
-           precision: str = "32-true") -> SearchResult:
+           precision: str = "32-true", recompute: bool | None = None) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     shard: whether shard levels (``ParallelConfig.shard``) may be chosen: the ``fsdp``
-        baseline is one of the strategies the result is never worse than.
+        baseline is one of the strategies the result is never worse than, and where memory
+        binds (a baseline does not fit) the chains change shard levels too (``levers.py``).
+    recompute: whether recomputation (``ParallelConfig.recompute``) may be chosen, where
+        memory binds; None (the default): as ``shard`` (so ``shard=False``, which
+        ``parallelize`` passes for an executor that runs neither, gives neither).  With both
+        False the search is the plain SOAP search, bit for bit.
 
     budget: seconds for the whole call (baselines included); ignored when
         ``evaluations`` is given, which makes the run reproducible (same seed and
@@ -135,6 +141,13 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                       f"which leaves the search {max(budget - spent, 0):.1f} s; give a larger budget, or reuse "
                       f"a previous result's baselines: search(..., baselines=result.baseline_strategies, "
                       f"baseline_results=result.baselines)", stacklevel=3)
+    if recompute is None:
+        recompute = shard
+    levers = None
+    if (shard or recompute) and not all(r.feasible for r in base_res.values()):
+        # memory binds: shard levels and recomputation join the space (levers.py)
+        ctx = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision).ctx
+        levers = Levers(space, ctx, shard, recompute) or None
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
     scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
     scale_s = scale_s if scale_s > 0 else 1e-6
@@ -144,6 +157,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
 
     starts: list[tuple[str, Strategy]] = [("init", init)] if init is not None else []
     starts += [(k, base[k]) for k in ("data_parallel", "expert", "optcnn")]
+    if levers is not None:
+        starts += levers.starts(base)
     one = Strategy.single_device(graph, machine)
     if all(one[rep] in space.index[i] for i, rep in enumerate(space.reps)):  # within the space
         starts.append(("single_device", one))
@@ -208,7 +223,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                 if screen:
                     bounds[c] = LoadBound(sims[c].ctx, state[c])
                 moves[c] = 0
-            new, groups = _propose(rng, space, state[c], block)
+            new, groups = _propose(rng, space, state[c], block, levers)
             # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
             u = rng.random()
             proposed += 1
@@ -240,7 +255,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         converged = False
         if polish and space.movable:
             converged, polished = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
-                                           reduce_outputs, screen, precision)
+                                           reduce_outputs, screen, precision, levers)
             screened += polished
     finally:
         run.close()
@@ -265,20 +280,28 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                         source, converged, baseline_s, run.sims, screened, run.cuts)
 
 
-def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> tuple[Strategy, list[int]]:
+def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
+             levers: Levers | None = None) -> tuple[Strategy, list[int]]:
     """A random move from ``cur``: one movable share group to another of its candidates
     (uniformly: a symmetric proposal), and with probability ``block`` the same split carried
-    on downstream through 1-8 consumer groups.  Returns (strategy, changed groups)."""
+    on downstream through 1-8 consumer groups.  With ``levers`` (memory binds), with
+    probability ``LEVER_MOVE`` a lever move instead (shard level or recomputation of one
+    group or of every group of its op kind), and a changed group keeps its levers where its
+    new config can take them.  Returns (strategy, changed groups)."""
+    if levers is not None and rng.random() < LEVER_MOVE:
+        move = levers.propose(rng, cur)
+        if move is not None:
+            return move
     gi = space.movable[rng.randrange(len(space.movable))]
     rep, cs, ix = space.reps[gi], space.cands[gi], space.index[gi]
-    now = ix.get(cur[rep])
+    now = ix.get(cur[rep] if levers is None else levers.base(cur[rep]))
     if now is None:
         j = rng.randrange(len(cs))
     else:
         j = rng.randrange(len(cs) - 1)
         j += j >= now
     cfg = cs[j]
-    new = cur.replace(rep, cfg)
+    new = cur.replace(rep, cfg if levers is None else levers.carry(gi, cfg, cur[rep]))
     groups = [gi]
     if block and rng.random() < block:
         extra = 1 << rng.randrange(4)
@@ -295,8 +318,9 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> 
                 break
             g, cfg = step
             seen.add(g)
-            if new[space.reps[g]] != cfg:
-                new = new.replace(space.reps[g], cfg)
+            c = cfg if levers is None else levers.carry(g, cfg, new[space.reps[g]])
+            if new[space.reps[g]] != c:
+                new = new.replace(space.reps[g], c)
                 groups.append(g)
             extra -= 1
     return new, groups
@@ -304,7 +328,7 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float) -> 
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
              optimizer: str = "sgd", sync: str = "ring", reduce_outputs: str = "with_gradients",
-             screen: bool = True, precision: str = "32-true") -> tuple[bool, int]:
+             screen: bool = True, precision: str = "32-true", levers: Levers | None = None) -> tuple[bool, int]:
     """Local descent from the run's best strategy, first improvement: single-group
     changes (in a seeded order) until none improves; then pair moves (two adjacent
     groups, producer and consumer, to one common config: a change the one-group
@@ -312,7 +336,9 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
     changes after a pair move improves.  Returns True when it converged (no
     single-group or pair change improves: a local optimum), False when the budget
     ran out first; and how many attempts the load lower bound settled (a change whose
-    bound is no better than the current cost cannot improve it)."""
+    bound is no better than the current cost cannot improve it).  With ``levers``, a group's
+    candidates keep its levers, its lever variants are single changes too, and lever moves
+    on whole op kinds come before the pair moves."""
     sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
@@ -358,21 +384,37 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
             gi = order[i]
             rep, improved = space.reps[gi], False
             for cfg in space.cands[gi]:
+                if levers is not None:
+                    cfg = levers.carry(gi, cfg, state["cur"][rep])
                 if cfg != state["cur"][rep]:
                     ok = attempt(state["cur"].replace(rep, cfg), (gi,))
                     if ok is None:
                         return False, state["screened"]
                     improved |= ok
+            for cfg in levers.variants(gi, state["cur"][rep]) if levers is not None else ():
+                ok = attempt(state["cur"].replace(rep, cfg), (gi,))
+                if ok is None:
+                    return False, state["screened"]
+                improved |= ok
             quiet = 0 if improved else quiet + 1
             i = (i + 1) % len(order)
         moved = False
-        for a, b, common in pairs:
+        for new, groups in levers.block_moves(state["cur"]) if levers is not None else ():
+            ok = attempt(new, groups)
+            if ok is None:
+                return False, state["screened"]
+            if ok:
+                moved = True
+                break
+        for a, b, common in pairs if not moved else ():
             ra, rb = space.reps[a], space.reps[b]
             for cfg in common:
                 cur = state["cur"]
-                if cur[ra] == cfg or cur[rb] == cfg:
+                ca = cfg if levers is None else levers.carry(a, cfg, cur[ra])
+                cb = cfg if levers is None else levers.carry(b, cfg, cur[rb])
+                if cur[ra] == ca or cur[rb] == cb:
                     continue  # a single-group change, already tried
-                ok = attempt(cur.replace(ra, cfg).replace(rb, cfg), (a, b))
+                ok = attempt(cur.replace(ra, ca).replace(rb, cb), (a, b))
                 if ok is None:
                     return False, state["screened"]
                 if ok:

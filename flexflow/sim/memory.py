@@ -18,6 +18,17 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   masks, the log-softmax of a loss, an LSTM cell's gates).  Views (flatten, getitem,
   transpose, view) own no storage: they keep their source alive as long as they are used;
 - input regions received from other devices, like an output of the receiving op;
+- recomputation (``ParallelConfig.recompute``, the unit is one op): the op's output and its
+  saved extras are dropped after the forward (after the last forward read) and made again at
+  the op's recompute position ``rc_pos`` -- the earliest backward that needs the output (the
+  backward of the last consumer that saves it, else the op's own) -- living from there to
+  the last backward that needs them; what a recomputation reads is kept until it runs (as
+  ``torch.utils.checkpoint`` keeps a segment's inputs): its producers' outputs and its
+  received input regions, so recomputing an op whose input is saved anyway (GELU, a
+  linear layer's output before GELU) saves its output, and one that saves only its output
+  (ReLU) saves nothing.  A recomputed op that a recomputed consumer reads before its own
+  recomputation stays kept until then.  The time is the template's (``plans.py``: a
+  recomputed partition's backward lasts its forward plus its backward);
 - the gradient of an op's output, from the backward of its last consumer to its own
   backward; every other consumer's contribution is a transient at that consumer's backward;
 - parameter gradients, from the backward of the parameters' last user to the update;
@@ -150,6 +161,24 @@ class Liveness:
                     self.uses[o].append((v, j))
                     if self.view[v]:
                         stack.append(v)
+        # recomputation (``ParallelConfig.recompute``): the consumers that save an owner's
+        # output for their backward (static), the position where a recomputed op runs again
+        # (the earliest backward that needs its output: the backward of its last saving
+        # consumer, or its own) and whether recomputing it drops anything at all
+        self.savers: list[list] = [[] for _ in ops]
+        self.rc_pos = [2 * n - 1 - o for o in range(n)]
+        self.rc_real = [False] * n
+        for o in ctx.compute:
+            if self.view[o]:
+                continue
+            sv = _saves(ops[o])
+            for v, j in self.uses[o]:
+                s = _saves(ops[v])
+                if self.rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
+                    self.savers[o].append(v)
+            if self.savers[o]:
+                self.rc_pos[o] = 2 * n - 1 - max(self.savers[o])
+            self.rc_real[o] = bool(self.savers[o]) or (self.rg[o] and (sv.output or bool(sv.extra[0])))
         self.dependents = [{v} for v in range(n)]
         for o in ctx.compute:
             for u in ctx.producers[o]:
@@ -224,26 +253,38 @@ class Liveness:
 
         live(0, self.update_pos, gin)
         rg = self.rg
+        rc = cfg[o].recompute and self.rc_real[o]  # recomputed in the backward (see _recomputed)
         if not self.view[o]:
             # the output (storage owner): its last forward read, its last saving backward
             last_f = max([F] + [v for v, _ in self.uses[o]])
             keep = np.full(ctx.D, last_f, np.int64)
             if not self.uses[o]:
                 keep[:] = B  # the loss: kept until the backward starts from it
-            if sv.output and rg[o]:
-                np.maximum(keep, B, out=keep)
-            for v, j in self.uses[o]:
-                s = _saves(ops[v])
-                if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
-                    _, _, _, von = self.rows(v, cfg[v])
-                    np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
-            for f in sorted(set(keep[on].tolist())):
-                live(F, f, np.where(on & (keep == f), out, 0))
+            if rc and self.uses[o]:
+                self._recomputed(o, cfg, sv, out, on, last_f, live)
+            else:
+                if sv.output and rg[o]:
+                    np.maximum(keep, B, out=keep)
+                for v, j in self.uses[o]:
+                    s = _saves(ops[v])
+                    if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
+                        _, _, _, von = self.rows(v, cfg[v])
+                        np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
+                    elif cfg[v].recompute and self.rc_real[v]:  # v runs again from its inputs
+                        _, _, _, von = self.rows(v, cfg[v])
+                        np.maximum(keep, np.where(von, self.rc_pos[v], 0), out=keep)
+                for f in sorted(set(keep[on].tolist())):
+                    live(F, f, np.where(on & (keep == f), out, 0))
             if sv.extra[0]:
                 x = unit[sv.extra[1]] * sv.extra[0]
                 if sv.itemsize:
                     x = x * sv.itemsize / dtype_bytes(ctx.cops[o].dtype)
-                live(F, B, x.astype(np.int64))
+                x = x.astype(np.int64)
+                if rc:  # made in the forward and dropped, made again by the recomputation
+                    live(F, F, x)
+                    live(self.rc_pos[o], B, x)
+                else:
+                    live(F, B, x)
             if rg[o] and self.uses[o]:
                 # gradient of the output: from the first backward that produces it
                 grads = sorted({v for v, _ in self.uses[o] if not self.view[v]}, reverse=True)
@@ -253,6 +294,8 @@ class Liveness:
                         live(2 * n - 1 - v, 2 * n - 1 - v, out)
         if sv.fwd_temp[0]:
             live(F, F, (unit[sv.fwd_temp[1]] * sv.fwd_temp[0]).astype(np.int64))
+            if rc:  # the recomputation's forward has them too
+                live(self.rc_pos[o], self.rc_pos[o], (unit[sv.fwd_temp[1]] * sv.fwd_temp[0]).astype(np.int64))
         if sv.bwd_temp[0] and rg[o]:
             live(B, B, (unit[sv.bwd_temp[1]] * sv.bwd_temp[0]).astype(np.int64))
         # input regions received from other devices (and their gradients, sent back)
@@ -263,12 +306,65 @@ class Liveness:
             if not recv.any():
                 continue
             keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in)
-            live(F, B if keeps else F, recv)
+            # a recomputed op reads its inputs again: received regions are kept until then
+            live(F, B if keeps else (self.rc_pos[o] if rc else F), recv)
             if rg[u]:
                 live(B, B, recv)
         ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
         self._ev[key] = ev
         return ev
+
+    def _recomputed(self, o: int, cfg: list, sv, out, on, last_f: int, live) -> None:
+        """The output events of an op o recomputed in the backward (``cfg[o].recompute``):
+        kept from its forward to its last forward read, and further only as far as a
+        recomputed consumer that runs again before o does reads it (a recomputed op reads
+        its inputs as they were kept: ``torch.utils.checkpoint`` keeps a segment's inputs);
+        then made again at ``rc_pos[o]`` (the earliest backward that needs it) and kept to
+        the last backward that needs it on each device (its saving consumers', a recomputed
+        consumer's recomputation, its own where it saves its output) -- a transient at
+        ``rc_pos[o]`` on a device where none of those runs."""
+        n, D, ops = self.n, self.ctx.D, self.ctx.ops
+        R, B = self.rc_pos[o], 2 * n - 1 - o
+        kept = np.full(D, last_f, np.int64)
+        until = np.full(D, R, np.int64)
+        if sv.output and self.rg[o]:
+            until[:] = B
+        for v, j in self.uses[o]:
+            if v in self.savers[o]:
+                s = _saves(ops[v])
+                if s.inputs == "all" or j in s.inputs:
+                    _, _, _, von = self.rows(v, cfg[v])
+                    np.maximum(until, np.where(von, 2 * n - 1 - v, 0), out=until)
+                    continue
+            if cfg[v].recompute and self.rc_real[v]:
+                _, _, _, von = self.rows(v, cfg[v])
+                p = self.rc_pos[v]
+                np.maximum(kept if p < R else until, np.where(von, p, 0), out=kept if p < R else until)
+        for k, e in sorted(set(zip(kept[on].tolist(), until[on].tolist()))):
+            row = np.where(on & (kept == k) & (until == e), out, 0)
+            live(o, k, row)
+            live(R, e, row)
+
+    def kept_for_backward(self, o: int) -> int:
+        """Bytes of op o's output and saved extras (whole op, compute dtype) that live from its
+        forward into the backward and that recomputing o drops: what ``recompute=True`` on o
+        can save (0 where it saves nothing)."""
+        if self.view[o] or not self.rc_real[o]:
+            return 0
+        op, cop = self.ctx.ops[o], self.ctx.cops[o]
+        bpe = dtype_bytes(cop.dtype)
+        numel = 1
+        for x in op.output_shape:
+            numel *= int(x)
+        sv = _saves(op)
+        total = numel * bpe if (self.savers[o] or (sv.output and self.rg[o])) and self.uses[o] else 0
+        if sv.extra[0]:
+            if sv.extra[1] == "in0" and op.input_shapes:
+                numel = 1
+                for x in op.input_shapes[0]:
+                    numel *= int(x)
+            total += int(numel * sv.extra[0] * (sv.itemsize or bpe))
+        return total
 
     def cluster_events(self, c: int, cp):
         """Events of a parameter cluster's plan ``cp``: parameters, buffers and optimizer

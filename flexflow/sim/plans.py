@@ -61,7 +61,9 @@ def _geometry_key(op) -> tuple:
 
 
 class _Tmpl:
-    """One op under one config: devices and times of its partitions, memory and busy rows."""
+    """One op under one config: devices and times of its partitions, memory and busy rows.
+    Under ``cfg.recompute`` a partition's backward lasts its forward plus its backward (the
+    output is made again before the backward needs it; ``memory.py`` says where it lives)."""
     __slots__ = ("devs", "devk", "fwd", "bwd", "busy")
 
 
@@ -190,10 +192,12 @@ class Context(ParamPlanning):
         t.devk = {p.device: k for k, p in enumerate(parts)}
         t.fwd, t.bwd = [], []
         t.busy = np.zeros(self.R, np.int64)
-        free = self.free[o]
+        free, again = self.free[o], cfg.recompute
         for p in parts:
             f, b = (0.0, 0.0) if free else self.cost.op_time(priced, p, p.device)
             f, b = _ps(f), _ps(b)
+            if again:  # recomputed: its backward runs its forward again first
+                b += f
             t.fwd.append(f)
             t.bwd.append(b)
             t.busy[p.device] += f + b

@@ -19,6 +19,10 @@ the one a full simulation gives, bit for bit (integer times, canonical tie-break
 Memory (``peak_memory``): per device, the peak over one training step by liveness -- parameters,
 buffers and optimizer state, gradients from the backward that makes them, activations from
 their forward to their last use in the backward, communication buffers (see ``memory.py``).
+
+Recomputation (``ParallelConfig.recompute``): a recomputed op's backward tasks last its
+forward plus its backward, and its output lives only over the forward and again from its
+recomputation (``memory.py``).
 """
 from __future__ import annotations
 

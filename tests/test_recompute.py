@@ -1,0 +1,271 @@
+"""Activation recomputation (``ParallelConfig.recompute``) in the simulator and the search,
+and shard levels in the search's space.  Pure: no processes, analytic costs."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import flexflow as ff
+from flexflow.cost.model import CostModel
+from flexflow.search.common import _Space
+from flexflow.search.levers import Levers
+from flexflow.sim.simulate import Simulator
+from flexflow.sim.taskkeys import _ps
+from flexflow.strategy.candidates import candidate_configs
+from flexflow.strategy.regions import has_param_replicas, partitions
+from flexflow.strategy.strategy import Strategy
+
+B, W, L = 1024, 64, 3  # a chain whose activations outweigh its parameters
+
+
+class GeluChain(nn.Module):
+    """L blocks of Linear(W, 4W) -> GELU -> Linear(4W, W) (or ReLU), an mse loss."""
+
+    def __init__(self, act=nn.functional.gelu):
+        super().__init__()
+        self.act = act
+        self.up = nn.ModuleList(nn.Linear(W, 4 * W) for _ in range(L))
+        self.down = nn.ModuleList(nn.Linear(4 * W, W) for _ in range(L))
+
+    def forward(self, x, y):
+        for up, down in zip(self.up, self.down):
+            x = down(self.act(up(x)))
+        return nn.functional.mse_loss(x, y)
+
+
+def _chain(act=nn.functional.gelu):
+    torch.manual_seed(0)
+    return ff.trace(GeluChain(act), (torch.randn(B, W), torch.randn(B, W)))
+
+
+def _live(sim):
+    """Bytes live at every position of the step on every device (memory.py's positions)."""
+    return np.cumsum(sim._tg.MEMDIFF, axis=0)
+
+
+def _with_recompute(strategy, ops):
+    for op in ops:
+        strategy = strategy.replace(op.name, strategy[op.name].with_recompute())
+    return strategy
+
+
+@pytest.fixture(scope="module")
+def one():
+    return ff.Machine.preset("p100-cluster", devices=1)
+
+
+def test_recomputing_a_gelu_chain_frees_what_the_liveness_model_says(one):
+    """Each GELU's output (B x 4W floats) is saved by the linear after it: kept from the
+    GELU's forward to that linear's backward.  Recomputed, it lives over the GELU's forward
+    and the linear's forward (which reads it), and again at the linear's backward, where it
+    is made anew; in between it is gone.  The peak is where the backward starts: every
+    GELU's output but the last block's is gone there.  On one device the step is serial,
+    so it takes exactly the GELUs' forward times longer."""
+    g = _chain()
+    sim = Simulator(g, one)
+    plain = Strategy.data_parallel(g, one)
+    gelus = [op for op in g.compute_ops if op.kind == "gelu"]
+    rc = _with_recompute(plain, gelus)
+    r0 = sim.simulate(plain, incremental=False)
+    live0 = _live(sim)
+    r1 = sim.simulate(rc, incremental=False)
+    live1 = _live(sim)
+    n = len(g.ops)
+    out = B * 4 * W * 4
+    want = np.zeros_like(live0)
+    for op in gelus:
+        o = g.index[op.name]
+        consumer = o + 1  # its linear
+        want[o + 2:2 * n - 1 - consumer] += out  # (exclusive end: the consumer's backward)
+    assert np.array_equal(live0 - live1, want)
+    assert r0.peak_memory[0] - r1.peak_memory[0] == (L - 1) * out
+    cm = sim.cost_model
+    extra = sum(_ps(cm.op_time(op, partitions(op, rc[op.name])[0], 0)[0]) for op in gelus)
+    grew = round(r1.iteration_time * 1e12) - round(r0.iteration_time * 1e12)
+    # (to the picosecond but for the update tasks' rounding: a unit's update is rounded once,
+    # and a recomputed GELU no longer fuses with its neighbours into one unit)
+    assert abs(grew - extra) <= len(g.compute_ops), (grew, extra)
+    assert r1.comm_bytes == r0.comm_bytes and r1.sync_bytes == r0.sync_bytes
+
+
+def test_recomputing_an_op_that_saves_only_its_output_trades_it_for_its_input(one):
+    """ReLU saves its output, not its input: recomputed, its output goes, but its input
+    (the linear's output, the same size) must stay until the recomputation reads it --
+    nothing saved, one more copy where each of them is made."""
+    g = _chain(torch.relu)
+    sim = Simulator(g, one)
+    plain = Strategy.data_parallel(g, one)
+    relu = next(op for op in g.compute_ops if op.kind == "relu")
+    sim.simulate(plain, incremental=False)
+    live0 = _live(sim)
+    sim.simulate(_with_recompute(plain, [relu]), incremental=False)
+    live1 = _live(sim)
+    n, o = len(g.ops), g.index[relu.name]
+    down = o + 1
+    want = np.zeros_like(live0)
+    want[down] = want[2 * n - 1 - down] = B * 4 * W * 4
+    assert np.array_equal(live1 - live0, want)
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    module, inputs = ff.models.get("transformer", size="small", batch_size=64)
+    return ff.trace(module, inputs)
+
+
+@pytest.fixture(scope="module")
+def p100():
+    return ff.Machine.preset("p100-cluster", devices=4)
+
+
+def test_recompute_lowers_a_transformers_peak_and_costs_about_its_forward(transformer, p100):
+    g, m = transformer, p100
+    sim = Simulator(g, m)
+    dp = Strategy.data_parallel(g, m)
+    space = _Space(g, m)
+    levers = Levers(space, sim.ctx, shard=False, recompute=True)
+    picked = [g.op(space.reps[gi]) for gi in levers.recompute]
+    assert {"gelu", "softmax", "linear", "dropout"} <= {op.kind for op in picked}
+    assert not any(op.kind in ("view", "transpose", "embedding") for op in picked)
+    r0 = sim.simulate(dp, incremental=False)
+    r1 = sim.simulate(_with_recompute(dp, picked), incremental=False)
+    assert max(r1.peak_memory) < 0.8 * max(r0.peak_memory)
+    # every device runs a quarter of each op: the step grows by about one partition's forwards
+    cm = sim.cost_model
+    fwd = sum(cm.op_time(op, partitions(op, dp[op.name])[0], 0)[0] for op in picked)
+    grew = r1.iteration_time - r0.iteration_time
+    assert 0.8 * fwd <= grew <= 1.2 * fwd, (grew, fwd)
+
+
+def _walk(g, machine, steps, seed, **options):
+    """Random changes -- a new config, recomputation toggled, another shard level -- delta
+    against full simulation at every step (results and the liveness rows)."""
+    cm = CostModel(machine)
+    delta, full = Simulator(g, machine, cm, **options), Simulator(g, machine, cm, **options)
+    rng = random.Random(seed)
+    reps = [ms[0] for ms in g.groups.values()]
+    cur = Strategy.data_parallel(g, machine)
+    kinds = {"rc": 0, "shard": 0}
+    for step in range(steps):
+        op = g.op(rng.choice(reps))
+        c = cur[op.name]
+        u = rng.random()
+        if u < 0.35:
+            new = candidate_configs(op, machine)[rng.randrange(len(candidate_configs(op, machine)))]
+            new = new.with_recompute(c.recompute)
+        elif u < 0.7 or not (op.params and has_param_replicas(op, c)):
+            new = c.with_recompute(not c.recompute)
+            kinds["rc"] += 1
+        else:
+            new = c.with_shard(rng.choice([s for s in range(4) if s != c.shard]))
+            kinds["shard"] += 1
+        nxt = cur.replace(op.name, new)
+        rd = delta.simulate(nxt)
+        rf = full.simulate(nxt, incremental=False)
+        assert rd == rf, (step, op.name, new)
+        assert np.array_equal(delta._tg.MEMDIFF, full._tg.MEMDIFF), step
+        if step % 25 == 0:  # and with plans of its own (nothing cached from the walk)
+            assert Simulator(g, machine, CostModel(machine), **options).simulate(nxt) == rf
+        if rng.random() < 0.7:
+            cur = nxt
+        if step % 50 == 49:
+            cur = Strategy.data_parallel(g, machine)
+    assert kinds["rc"] > steps // 4 and kinds["shard"] > 0
+    return delta
+
+
+def test_delta_equals_full_with_recompute_and_shard_toggles(transformer, p100):
+    _walk(transformer, p100, 150, seed=0, optimizer="adam")
+    module, inputs = ff.models.get("nmt", size="small", batch_size=16)  # shared parameters
+    _walk(ff.trace(module, inputs), ff.Machine.preset("k80-cluster", devices=8), 100, seed=1)
+    _walk(_chain(), ff.Machine.preset("cpu", devices=2), 100, seed=2, optimizer="momentum")
+
+
+def test_levers_carry_over_base_changes_and_move_whole_op_kinds(transformer, p100):
+    g, m = transformer, p100
+    sim = Simulator(g, m)
+    space = _Space(g, m)
+    lv = Levers(space, sim.ctx, shard=True, recompute=True)
+    gelu = next(gi for gi in lv.recompute if g.op(space.reps[gi]).kind == "gelu")
+    fc = next(gi for gi in lv.shard if "mlp_fc" in space.reps[gi])
+    dp = Strategy.data_parallel(g, m)
+    cur = dp[space.reps[fc]].with_shard(2).with_recompute()
+    # a base that keeps parameter replicas keeps the shard level; one that splits the
+    # parameters (no replicas) drops it; the recomputation stays either way
+    keeps = next(c for c in space.cands[fc] if c != lv.base(cur) and has_param_replicas(g.op(space.reps[fc]), c))
+    drops = next(c for c in space.cands[fc] if not has_param_replicas(g.op(space.reps[fc]), c))
+    assert lv.carry(fc, keeps, cur) == keeps.with_shard(2).with_recompute()
+    assert lv.carry(fc, drops, cur) == drops.with_recompute()
+    assert lv.carry(gelu, space.cands[gelu][0], dp[space.reps[gelu]]) is space.cands[gelu][0]
+    assert set(lv.variants(fc, cur)) == {cur.with_recompute(False), cur.with_shard(0), cur.with_shard(1),
+                                        cur.with_shard(3)}
+    # a block move reaches every group of the kind at once
+    moves = lv.block_moves(dp)
+    on = [(s, gs) for s, gs in moves if set(gs) == set(lv.rc_kind[gelu])]
+    assert len(on) == 1 and all(on[0][0][space.reps[h]].recompute for h in lv.rc_kind[gelu])
+    z3 = [(s, gs) for s, gs in moves if set(gs) == set(lv.sh_kind[fc]) and s[space.reps[fc]].shard == 3]
+    assert len(z3) == 1 and len(lv.sh_kind[fc]) == 13  # every linear layer
+    rng = random.Random(0)
+    for _ in range(50):
+        move = lv.propose(rng, dp)
+        if move is not None:
+            s, gs = move
+            assert gs and all(s[space.reps[h]] != dp[space.reps[h]] for h in gs)
+            assert all(s[space.reps[h]].with_shard(0).with_recompute(False) == dp[space.reps[h]] for h in gs)
+
+
+def _capped(g, m, peak):
+    return m.with_memory(int(peak))
+
+
+def test_search_fits_by_recompute_or_shard_where_data_parallelism_does_not(transformer, p100):
+    g, m = transformer, p100
+    sim = Simulator(g, m)
+    space = _Space(g, m)
+    lv = Levers(space, sim.ctx, shard=False, recompute=True)
+    dp = Strategy.data_parallel(g, m)
+    peak = lambda s: max(sim.simulate(s, incremental=False).peak_memory)
+    all_rc = lv.apply(dp, lv.recompute, lambda h, c: c.with_recompute())[0]
+    p_dp, p_rc, p_fsdp = peak(dp), peak(all_rc), peak(Strategy.fsdp(g, m))
+    assert p_rc < p_fsdp < p_dp
+    # recomputation alone fits, sharding alone does not
+    tight = _capped(g, m, (p_rc + p_fsdp) / 2)
+    for kw in ({}, {"shard": False, "recompute": True}):
+        r = ff.search(g, tight, evaluations=300, seed=0, progress=False, **kw)
+        assert not r.baselines["data_parallel"].feasible and r.result.feasible, kw
+        assert not any(b.feasible for b in r.baselines.values())
+        used = [r.strategy[op.name] for op in g.compute_ops]
+        assert any(c.recompute for c in used)
+        assert r.result.iteration_time < sim.simulate(all_rc, incremental=False).iteration_time  # chosen, not all
+        if kw:
+            assert not any(c.shard for c in used)
+    # sharding alone fits
+    loose = _capped(g, m, (p_fsdp + p_dp) / 2)
+    r = ff.search(g, loose, evaluations=200, seed=0, progress=False, recompute=False)
+    assert r.result.feasible and not r.baselines["data_parallel"].feasible
+    assert not any(r.strategy[op.name].recompute for op in g.compute_ops)
+    assert any(r.strategy[op.name].shard for op in g.compute_ops)
+
+
+def test_search_without_shard_or_recompute_never_chooses_them(transformer, p100):
+    g, m = transformer, p100
+    sim = Simulator(g, m)
+    tight = _capped(g, m, 0.8 * max(sim.simulate(Strategy.data_parallel(g, m)).peak_memory))
+    for kw in ({"shard": False, "recompute": False}, {"shard": False}):  # (the latter: parallelize's)
+        r = ff.search(g, tight, evaluations=200, seed=0, progress=False, **kw)
+        assert "fsdp" not in r.baselines and "data_parallel_rc" not in r.chains
+        for s in [r.strategy] + list(r.baseline_strategies.values()):
+            assert not any(s[op.name].shard or s[op.name].recompute for op in g.compute_ops)
+
+
+def test_a_search_with_levers_is_reproducible_and_delta_free(transformer, p100):
+    g = transformer
+    tight = _capped(g, p100, 0.8 * max(Simulator(g, p100).simulate(Strategy.data_parallel(g, p100)).peak_memory))
+    a = ff.search(g, tight, evaluations=150, seed=3, progress=False)
+    b = ff.search(g, tight, evaluations=150, seed=3, progress=False)
+    full = ff.search(g, tight, evaluations=150, seed=3, progress=False, delta=False)
+    assert "data_parallel_rc" in a.chains
+    assert a.strategy.to_json() == b.strategy.to_json() == full.strategy.to_json()
+    assert a.result.iteration_time == b.result.iteration_time == full.result.iteration_time
