@@ -56,9 +56,10 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            precision: str = "32-true", recompute: bool | None = None) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
-    shard: whether shard levels (``ParallelConfig.shard``) may be chosen: the ``fsdp``
-        baseline is one of the strategies the result is never worse than, and where memory
-        binds (a baseline does not fit) the chains change shard levels too (``levers.py``).
+    shard: whether shard levels (``ParallelConfig.shard``) may be chosen.  They are a memory
+        lever: where memory binds (data parallelism does not fit) the ``fsdp`` baseline is one
+        of the strategies the result is never worse than and the chains change shard levels
+        too (``levers.py``); where data parallelism fits the search is the plain SOAP search.
     recompute: whether recomputation (``ParallelConfig.recompute``) may be chosen, where
         memory binds; None (the default): as ``shard`` (so ``shard=False``, which
         ``parallelize`` passes for an executor that runs neither, gives neither).  With both
@@ -143,8 +144,14 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                       f"baseline_results=result.baselines)", stacklevel=3)
     if recompute is None:
         recompute = shard
+    # shard levels and recomputation are memory levers: where data parallelism fits, the search
+    # keeps to the plain space (the simulator's sync order favours sharded clusters over a
+    # data-parallel bucket chain by more than a real run would: see the README's limits)
+    dp_fits = base_res["data_parallel"].feasible
+    if baselines is None and dp_fits and "fsdp" in base:
+        del base["fsdp"], base_res["fsdp"]
     levers = None
-    if (shard or recompute) and not all(r.feasible for r in base_res.values()):
+    if (shard or recompute) and not dp_fits:
         # memory binds: shard levels and recomputation join the space (levers.py)
         ctx = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision).ctx
         levers = Levers(space, ctx, shard, recompute) or None
