@@ -156,7 +156,7 @@ def _search_plan(graph, machine, budget: float, optimizer: str = "sgd", device=N
     left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
     found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm, reduce_outputs=reduce_outputs,
                    shard=False, recompute=False)  # the executor runs neither yet
-    strategy, predicted, chosen = choose(found, graph, machine, min_gain)
+    strategy, predicted, chosen = choose(found, min_gain)
     return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
                 "32-true", min_gain, time.perf_counter() - t0, found.evaluations)
 

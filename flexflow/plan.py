@@ -136,7 +136,7 @@ class Plan:
             raise StrategyError(f"plan file lacks or garbles {e}") from None
 
 
-def choose(found, graph, machine, min_gain: float) -> tuple[Strategy, SimResult, str]:
+def choose(found, min_gain: float) -> tuple[Strategy, SimResult, str]:
     """The searched strategy, unless it is predicted less than ``min_gain`` faster than data
     parallelism (then data parallelism): (strategy, its prediction, what it is)."""
     dp = found.baselines.get("data_parallel")
@@ -168,6 +168,6 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     graph = trace(module, example_inputs, example_kwargs)
     found = search(graph, machine, budget=budget, seed=seed, cost_model=cost_model, evaluations=evaluations,
                    optimizer=optimizer, shard=shard, recompute=shard, precision=precision)
-    strategy, predicted, chosen = choose(found, graph, machine, min_gain)
+    strategy, predicted, chosen = choose(found, min_gain)
     return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
                 precision, min_gain, time.perf_counter() - t0, found.evaluations)

@@ -24,32 +24,28 @@ def tiny(batch: int = 8, width: int = 16):
     return Tiny(width), (torch.randn(batch, width), torch.randn(batch, width))
 
 
+def _sgd_losses(model, batch, steps: int = 2) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
 def run_plan(rank: int, plan_json: str, other_json: str) -> dict:
     """Every rank: run the given plan for two SGD steps; the losses and, on rank 0, one
     process's; then the refusal of a plan made for 4 devices."""
     module, batch = tiny()
     ref = copy.deepcopy(module)
     par = ff.parallelize(module, 2, example_inputs=batch, plan=plan_json)
-    opt = torch.optim.SGD(par.parameters(), lr=0.1)
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = par(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    out = {"losses": losses, "chosen": par.plan.chosen, "strategy": par.plan.strategy.to_json(),
+    out = {"losses": _sgd_losses(par, batch), "chosen": par.plan.chosen, "strategy": par.plan.strategy.to_json(),
            "same_graph": par.plan.strategy.graph is par.graph}
     if rank == 0:
-        ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        ref_losses = []
-        for _ in range(2):
-            ropt.zero_grad()
-            loss = ref(*batch)
-            loss.backward()
-            ropt.step()
-            ref_losses.append(float(loss))
-        out["reference"] = ref_losses
+        out["reference"] = _sgd_losses(ref, batch)
     try:
         ff.parallelize(tiny()[0], 2, example_inputs=batch, plan=other_json)
         out["refused"] = None

@@ -17,18 +17,11 @@ from flexflow.sim.taskgraph import TaskGraph
 from flexflow.sim.taskkeys import PS
 from flexflow.strategy.regions import partitions
 
+from _small_models import MLP
+
 NAMES = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 
 
-class MLP(nn.Module):
-    def __init__(self, width=2048, layers=3):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return nn.functional.mse_loss(x, y)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def transformer():
 @pytest.fixture(scope="module")
 def big_mlp():
     with torch.device("meta"):  # shapes only: a compute-bound step on a GPU
-        m = MLP()
+        m = MLP(width=2048)
         x = (torch.randn(4096, 2048), torch.randn(4096, 2048))
     return ff.trace(m, x)
 

@@ -10,18 +10,9 @@ import torch.nn as nn
 import flexflow as ff
 from flexflow.strategy import StrategyError
 
+from _small_models import MLP
 
-class MLP(nn.Module):
-    """Parameter-heavy, activation-light: the memory is the parameter state's."""
 
-    def __init__(self, width=256, layers=3):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return nn.functional.mse_loss(x, y)
 
 
 def _mlp(batch=8, width=256):

@@ -135,7 +135,14 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         base_res = dict(baseline_results)
     else:
         sim0 = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
-        base_res = {k: sim0.simulate(s, incremental=False) for k, s in base.items()}
+        base_res = {"data_parallel": sim0.simulate(base["data_parallel"], incremental=False)}
+        if baselines is None and base_res["data_parallel"].feasible:
+            # shard levels and recomputation are memory levers: where data parallelism fits,
+            # the search keeps to the plain space (the simulator's sync order favours sharded
+            # clusters over a data-parallel bucket chain by more than a real run would: see the
+            # README's limits), so the fsdp baseline is not simulated
+            base.pop("fsdp", None)
+        base_res.update({k: sim0.simulate(s, incremental=False) for k, s in base.items() if k not in base_res})
     spent = time.perf_counter() - t0
     if evaluations is None and spent >= 0.5 * budget:
         warnings.warn(f"building and simulating the baselines took {spent:.1f} s of the {budget:g}-s budget, "
@@ -144,12 +151,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                       f"baseline_results=result.baselines)", stacklevel=3)
     if recompute is None:
         recompute = shard
-    # shard levels and recomputation are memory levers: where data parallelism fits, the search
-    # keeps to the plain space (the simulator's sync order favours sharded clusters over a
-    # data-parallel bucket chain by more than a real run would: see the README's limits)
     dp_fits = base_res["data_parallel"].feasible
-    if baselines is None and dp_fits and "fsdp" in base:
-        del base["fsdp"], base_res["fsdp"]
     levers = None
     if (shard or recompute) and not dp_fits:
         # memory binds: shard levels and recomputation join the space (levers.py)

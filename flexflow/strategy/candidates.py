@@ -1,13 +1,5 @@
-"""The SOAP strategy space: configs, strategies, and the one partition
-function everything else asks "which device holds which slice".
-
-A :class:`ParallelConfig` gives a degree per parallel dim and the device of
-each partition.  :func:`partitions` turns an (op, config) pair into the
-output region, input regions and parameter regions of every partition;
-:func:`param_placement` derives from the same regions which devices hold
-which parameter block and so which devices all-reduce which gradients.
-The simulator, the memory estimate and the executor all use these two.
-"""
+"""The configs the search may choose for an op (power-of-two degrees on contiguous
+devices), and the size of the space they span."""
 
 from __future__ import annotations
 
