@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import random
 
 import torch
 import torch.distributed as dist
@@ -70,10 +71,29 @@ def batch_for(module, batch: int, i: int):
 
 
 def make_strategy(spec: str, graph, machine) -> Strategy:
+    """``data_parallel``, ``fsdp``, ``zero:S``, ``random:SEED``, ``shard:SEED`` (a random
+    strategy with a random shard level on every op whose parameters have replicas)."""
     kind, _, arg = spec.partition(":")
     if kind == "random":
         return Strategy.random(graph, machine, int(arg))
+    if kind == "zero":
+        return Strategy.zero(graph, machine, int(arg))
+    if kind == "shard":
+        return with_random_shards(Strategy.random(graph, machine, int(arg)), graph, int(arg))
     return getattr(Strategy, kind)(graph, machine)
+
+
+def with_random_shards(strategy: Strategy, graph, seed: int) -> Strategy:
+    """``strategy`` with a shard level drawn from 1-3 for every op whose parameters have
+    replicas (at least one op gets each level where there are three such ops)."""
+    from flexflow.strategy.regions import has_param_replicas
+    rng = random.Random(seed)
+    ops = [op for op in graph.compute_ops if op.params and has_param_replicas(op, strategy[op.name])]
+    levels = [1 + i % 3 for i in range(len(ops))]
+    rng.shuffle(levels)
+    for op, level in zip(ops, levels):
+        strategy = strategy.replace(op.name, strategy[op.name].with_shard(level))
+    return strategy
 
 
 # --------------------------------------------------------------------------- the loops

@@ -26,9 +26,12 @@ import flexflow as ff
 from flexflow.launch import launch
 
 TOL = 1e-5
-CASES_2 = [("mlp", 9, ["data_parallel", "model_parallel", "random:0", "random:1"]),
-           ("transformer", 8, ["data_parallel", "model_parallel", "random:0"])]
-CASES_4 = [("mlp", 6, ["data_parallel", "model_parallel", "random:2"])]
+# shard levels: zero:S and fsdp (data parallelism sharded), shard:SEED (a random strategy
+# with random levels 1-3 on the ops whose parameters have replicas)
+CASES_2 = [("mlp", 9, ["data_parallel", "model_parallel", "random:0", "random:1", "zero:1", "zero:2", "fsdp",
+                       "shard:1"]),
+           ("transformer", 8, ["data_parallel", "model_parallel", "random:0", "fsdp", "shard:0"])]
+CASES_4 = [("mlp", 6, ["data_parallel", "model_parallel", "random:2", "fsdp", "shard:2"])]
 LOOPS_4 = ["clip2_torch", "clipinf_par", "accum_no_sync", "accum_no_sync_early1"]
 
 

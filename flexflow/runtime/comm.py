@@ -25,6 +25,12 @@ def _all_reduce(t: torch.Tensor, group):
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def _reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
+    """Start summing ``t`` over ``group`` with each member receiving its equal
+    part of the sum (rank order) into ``out``; its work."""
+    return dist.reduce_scatter_single(out, t, group=group, async_op=True)
+
+
 class Comm:
     """The communication of a :class:`~flexflow.runtime.execute.Runtime` (a mixin:
     it reads the runtime's plan, timeout and backend, and keeps the works in flight)."""

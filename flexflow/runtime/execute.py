@@ -42,13 +42,14 @@ from .comm import Comm
 from .compute import _compute, _Stacked, _tensor, compile_program
 from .pending import Once, pending
 from .plan import BUCKET_CAP_MB, ExecutorError, Plan
+from .shard import Gathering
 from .state import State
 from .sync import Riding, _GradSync, _Rider
 
 __all__ = ["Runtime"]
 
 
-class Runtime(Plan, Comm, Riding, State):
+class Runtime(Plan, Comm, Riding, State, Gathering):
     """One rank's share of a (graph, strategy): its parameter shards, its
     program and the static communication plan (a :class:`Plan` of this rank
     that also communicates).  Build it on every rank of the world with the
@@ -78,6 +79,7 @@ class Runtime(Plan, Comm, Riding, State):
         self._early: list = []  # results of ride buckets this rank all-reduced early (read before backward)
         self.broken: str | None = None
         self._make_groups()
+        self._make_gather_groups()
         self.sync = _GradSync(self)
         shutdown.register(self)
 
@@ -123,12 +125,20 @@ class Runtime(Plan, Comm, Riding, State):
             vals[op.name] = x if x.device == self.device else x.to(self.device)
         pvals: dict[str, torch.Tensor] = dict(self.params)
         pvals.update(self.buffers)
+        sharded = bool(self.units)
+        if sharded:  # the full regions the ops read, gathered from the slices (.shard)
+            pvals.update(self.full)
+            self._gather_begin()
         if grad and self.sync.armed:  # a previous backward failed before its end
             self.sync.reset()
         # under torch.profiler each partition's compute is a range named as the
         # simulator names its task ("<op> fwd"), so the two timelines line up
         profiling = torch.autograd.profiler._is_profiler_enabled
-        for step, free in zip(self.program, self.free_before):
+        for pos, (step, free) in enumerate(zip(self.program, self.free_before)):
+            if sharded:
+                if pos:
+                    self._gather_after(pos - 1, vals.get(self.program[pos - 1].op.name), grad)
+                self._gather_before(pos)
             for name in free:
                 vals.pop(name, None)
             op = step.op
@@ -179,6 +189,8 @@ class Runtime(Plan, Comm, Riding, State):
                 vals[op.name] = _compute(op, step.part.block, ins, params)
             if op.name in self.sends_after:
                 self._post_sends(op.name, vals[op.name])
+        if sharded and self.program:
+            self._gather_after(len(self.program) - 1, vals.get(self.program[-1].op.name), grad)
         results = {}
         for name in self.graph.output_names():
             if name in self.outputs:

@@ -49,7 +49,8 @@ class NormScope:
     def __init__(self, rt):
         self.serial = next(_serials)  # creation order, the same on every rank
         self._rt = weakref.ref(rt)
-        self.owner = {q: ranks[0] == rt.rank for q, (_, _, ranks) in rt.shards.items()}
+        # a block counts on the first of its ranks; a sharded region's slices on each
+        self.owner = {q: ranks[0] == rt.rank or q in rt.full for q, (_, _, ranks) in rt.shards.items()}
         self.group = None
         self.closed = False
 

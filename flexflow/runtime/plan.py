@@ -57,6 +57,7 @@ from ..strategy.regions import (
     pick_replica,
 )
 from ..strategy.strategy import Strategy
+from .shardplan import Slice, plan_units, shard_levels, slice_of
 
 __all__ = ["Plan", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB", "REDUCE_OUTPUTS"]
 
@@ -187,7 +188,9 @@ class Plan:
                                 f"{len(self.ranks)} devices (ranks {self.ranks}) are given")
         self.placement = param_placement(graph, strategy)
         self._make_shards()
+        self._plan_shard_levels()
         self._make_program()
+        self._make_flat()
 
     # -- setup --------------------------------------------------------------
     def _parts(self, op: Op) -> list[Partition]:
@@ -229,6 +232,42 @@ class Plan:
                 self.params[qual] = torch.nn.Parameter(t, requires_grad=src.requires_grad)
             else:
                 self.buffers[qual] = t
+
+    def _plan_shard_levels(self) -> None:
+        """Shard levels (:mod:`.shardplan`): ``shard_level`` of this rank's replicated
+        trainable regions, and ``shard_keys``, every group of ranks that shares a
+        sharded region anywhere (every rank makes their gather groups)."""
+        levels = shard_levels(self.graph, self.strategy)
+        self.shard_level: dict[str, int] = {}
+        self.shard_keys: set = set()
+        for qual, level in levels.items():
+            _, shards, trainable = self.placement[qual]
+            if not trainable:
+                continue
+            for s in shards:
+                ranks = tuple(sorted(self.ranks[d] for d in s.devices))
+                if len(ranks) > 1:
+                    self.shard_keys.add(ranks)
+            if qual in self.params and self.params[qual].requires_grad and len(self.shards[qual][2]) > 1:
+                self.shard_level[qual] = level
+
+    def _make_flat(self) -> None:
+        """Sharded regions: ``full[qual]`` holds the values the ops read, and
+        ``params[qual]`` becomes this rank's flat slice (what its optimizer updates)."""
+        self.full: dict[str, torch.Tensor] = {}
+        self.slices: dict[str, Slice] = {}
+        for qual in self.shard_level:
+            full = self.params[qual].detach().requires_grad_(True)
+            sl = self.slices[qual] = slice_of(full.numel(), self.shards[qual][2], self.rank)
+            self.full[qual] = full
+            self.params[qual] = torch.nn.Parameter(full.reshape(-1)[sl.lo:sl.hi].clone())
+        self.units = plan_units(self.program, self.shard_level, self.shards, self.slices,
+                                {q: t.dtype for q, t in self.full.items()})
+
+    def compute_tensor(self, qual: str) -> torch.Tensor:
+        """The tensor the ops read of parameter ``qual`` (its full region where sharded)."""
+        t = self.full.get(qual)
+        return self.params[qual] if t is None else t
 
     def _make_program(self) -> None:
         """This rank's steps (with their exchanges and gates), its outputs, the ride
@@ -313,7 +352,8 @@ class Plan:
             if gi < self.last_exchange_op:
                 break
             for pos, (key, quals) in enumerate(gates[gi]):
-                if tuple(key) == every and self.params[quals[0]].dtype in dtypes:
+                if tuple(key) == every and self.params[quals[0]].dtype in dtypes and \
+                        self.shard_level.get(quals[0], 0) < 2:  # an all-reduce bucket
                     self.ride_numel = sum(self.params[q].numel() for q in quals)
                     self.ride_dtype = self.params[quals[0]].dtype
                     return (self.graph.ops[gi].name, pos)
@@ -334,15 +374,15 @@ class Plan:
         done = []
         for q in ready:
             p = self.params[q]
-            k = (self.shards[q][2], p.dtype)
+            k = (self.shards[q][2], p.dtype, self.shard_level.get(q, 0) >= 2)  # reduce-scattered apart
             b = open_.setdefault(k, [[], 0])
             b[0].append(q)
             b[1] += p.numel() * p.element_size()
             if b[1] >= self.bucket_cap_bytes:
                 done.append((k, open_.pop(k)[0]))
-        done += [(k, v[0]) for k, v in sorted(open_.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+        done += [(k, v[0]) for k, v in sorted(open_.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2]))]
         gates: dict[int, list] = {}
-        for (key, _), quals in done:
+        for (key, _, _), quals in done:
             gates.setdefault(min(first_use[q] for q in quals), []).append((key, quals))
         return gates
 

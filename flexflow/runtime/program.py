@@ -53,8 +53,8 @@ def messages(rt) -> dict:
         if step.gate is None:
             continue
         for pos, (key, quals) in enumerate(step.gate.buckets):
-            numel = sum(rt.params[q].numel() for q in quals)
-            dtype = _dtype(rt.params[quals[0]].dtype)
+            numel = sum(rt.compute_tensor(q).numel() for q in quals)
+            dtype = _dtype(rt.compute_tensor(quals[0]).dtype)
             what = f"gradients of {', '.join(quals[:3])}" + (" ..." if len(quals) > 3 else "")
             if rt.ride == (step.op.name, pos):
                 numel += riders

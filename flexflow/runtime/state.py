@@ -23,15 +23,18 @@ class State:
         """qual -> full tensor (in its view shape) of every placed parameter and
         buffer, gathered on every rank: the first rank of each shard contributes."""
         fulls = OrderedDict()
+        regathered = self.gather_all() if self.units else []  # sharded regions, from their slices
         for qual, (view, shards, trainable) in self.placement.items():
             src = tensor_of(self.module, qual)
             full = torch.zeros(view, dtype=src.dtype, device=self.device)
             if qual in self.shards:
                 held, region, ranks = self.shards[qual]
                 if ranks[0] == self.rank:
-                    mine = self.params[qual] if qual in self.params else self.buffers[qual]
+                    mine = self.compute_tensor(qual) if qual in self.params else self.buffers[qual]
                     full.view(held)[region] = mine.detach()  # held whole in its own shape, or a block of the view
             fulls[qual] = full
+        for ui in regathered:
+            self.free_full(self.units[ui].quals)
         if self.distributed and self.world > 1:
             by_dtype: dict = {}
             for qual, t in fulls.items():
@@ -51,5 +54,10 @@ class State:
         """Copy this rank's blocks from the (full) tensors of the module."""
         with torch.no_grad():
             for qual, (view, region, _) in self.shards.items():
+                block = tensor_of(self.module, qual).detach().reshape(view)[region]
+                sl = self.slices.get(qual)
+                if sl is not None:  # a sharded region: this rank's slice (gathered at the next use)
+                    self.params[qual].copy_(block.reshape(-1)[sl.lo:sl.hi])
+                    continue
                 dst = self.params[qual] if qual in self.params else self.buffers[qual]
-                dst.copy_(tensor_of(self.module, qual).detach().reshape(view)[region])
+                dst.copy_(block)

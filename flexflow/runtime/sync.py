@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from .comm import _all_reduce
+from .comm import _all_reduce, _reduce_scatter
 from .gradnorm import NormScope, install_hooks, shard_grad
 from .plan import _Gate
 
@@ -111,11 +111,12 @@ class _Job:
     its gradients ``mine`` go in the repair); ``whole``: per shard, whether the sum
     replaces ``param.grad`` (which held only this rank's unsynchronized gradient)."""
 
-    __slots__ = ("work", "flat", "quals", "params", "key", "riders", "ride", "mine", "whole")
+    __slots__ = ("work", "flat", "quals", "params", "key", "riders", "ride", "mine", "whole", "scatter")
 
-    def __init__(self, work, flat, quals, params, key, riders, ride, mine, whole):
+    def __init__(self, work, flat, quals, params, key, riders, ride, mine, whole, scatter=None):
         self.work, self.flat, self.quals, self.params, self.key = work, flat, quals, params, key
         self.riders, self.ride, self.mine, self.whole = riders, ride, mine, whole
+        self.scatter = scatter  # reduce-scattered bucket: each region's offset in this rank's slice
 
 
 class _GradSync:
@@ -137,6 +138,7 @@ class _GradSync:
         # None where param.grad itself holds it): a replicated shard's local, unsynchronized
         # gradient from backward passes under no_sync()
         self.local: dict = {}
+        self.local_full: dict = {}  # sharded qual -> its full-region gradient kept under no_sync
         self.scope = NormScope(rt)
         install_hooks(rt.params, self.scope)
 
@@ -154,10 +156,13 @@ class _GradSync:
                     self._ride_alone(key)
             return
         for pos, (key, quals) in enumerate(gate.buckets):
-            params = [rt.params[q] for q in quals]
+            if rt.shard_level.get(quals[0], 0) >= 2:
+                self._reduce_scatter(key, quals, by_qual)
+                continue
+            params = [rt.compute_tensor(q) for q in quals]
             pieces, whole = [], []
             for q, p in zip(quals, params):
-                g, replaces = self._local_part(q, p, by_qual[q])
+                g, replaces = self._local_part(q, rt.params[q], by_qual[q])
                 pieces.append((g if g is not None else torch.zeros_like(p)).reshape(-1))
                 whole.append(replaces)
             riders, ride = [], rt.ride == (gate.op, pos)
@@ -182,6 +187,10 @@ class _GradSync:
         for q, g in by_qual.items():
             if g is None:
                 continue
+            if q in self.rt.full:  # a sharded region's full gradient waits aside (not its slice's grad)
+                kept = self.local_full.get(q)
+                self.local_full[q] = g.clone(memory_format=torch.contiguous_format) if kept is None else kept.add_(g)
+                continue
             p = self.rt.params[q]
             held, entry = p.grad, self.local.get(q)
             if held is not None and entry is not None and entry[0]() is held:
@@ -197,6 +206,9 @@ class _GradSync:
         """The gradient this rank gives to shard ``q``'s all-reduce: ``g`` plus what the
         backward passes under no_sync left (unless zero_grad() dropped it since), and
         whether the sum replaces ``param.grad`` (it held that part alone)."""
+        if q in self.rt.full:
+            kept = self.local_full.pop(q, None)
+            return (g if kept is None else kept if g is None else g + kept), False
         entry = self.local.pop(q, None)
         if entry is None or p.grad is None or entry[0]() is not p.grad:
             return g, False
@@ -217,6 +229,41 @@ class _GradSync:
         for job in riders:
             job.state = _Rider.SENT
         self.works.append(_Job(work, flat, [], [], key, riders, False, None, []))
+
+    # -- sharded regions (levels 2 and 3) -------------------------------------
+    def _reduce_scatter(self, key, quals, by_qual) -> None:
+        """Launch a sharded bucket's reduce-scatter: every region's gradient padded to
+        n equal chunks, laid out rank-major (rank j's chunks of every region, then
+        rank j+1's), so that rank j receives the sum of its slices.  Level-3 regions
+        are freed: their users' backward is done."""
+        rt = self.rt
+        n = len(key)
+        cols, offsets, off = [], [], 0
+        for q in quals:
+            full, sl = rt.full[q], rt.slices[q]
+            g, _ = self._local_part(q, None, by_qual[q])
+            g = torch.zeros(full.numel(), dtype=full.dtype, device=full.device) if g is None else g.reshape(-1)
+            if sl.chunk * n != sl.numel:
+                g = torch.nn.functional.pad(g, (0, sl.chunk * n - sl.numel))
+            cols.append(g.view(n, sl.chunk))
+            offsets.append(off)
+            off += sl.chunk
+        send = torch.cat(cols, dim=1).reshape(-1)
+        out = torch.empty(off, dtype=send.dtype, device=send.device)
+        work = _reduce_scatter(out, send, rt.groups[key])
+        rt.free_full(quals)
+        self.works.append(_Job(work, out, list(quals), [], key, [], False, send, [], offsets))
+
+    def _give_slices(self, job: _Job, out: torch.Tensor) -> None:
+        """A reduce-scattered bucket's slices into the flat parameters' gradients."""
+        rt = self.rt
+        for q, off in zip(job.quals, job.scatter):
+            sl, p = rt.slices[q], rt.params[q]
+            g = out[off:off + sl.hi - sl.lo]
+            if p.grad is None:
+                p.grad = shard_grad(g, self.scope, True)
+            else:
+                p.grad.add_(g)
 
     # -- end of backward ----------------------------------------------------
     def _flat(self, slot, pieces) -> torch.Tensor:
@@ -247,11 +294,17 @@ class _GradSync:
                                                      f"(end of backward)")
                     if job.ride and flat[-1].item() > 0:  # some rank took its part early
                         self._repair(flat, sum(p.numel() for p in job.params), None)
+                if job.scatter is not None:  # reduce-scattered: each region's slice
+                    self._give_slices(job, flat)
+                    continue
                 off = 0
                 for q, p, whole in zip(job.quals, job.params, job.whole):
                     n = p.numel()
                     g = flat[off:off + n].view_as(p)
                     off += n
+                    sl = self.rt.slices.get(q)
+                    if sl is not None:  # level 1: the all-reduced gradient cut to this rank's slice
+                        g, p = g.reshape(-1)[sl.lo:sl.hi], self.rt.params[q]
                     if p.grad is None or whole:
                         p.grad = shard_grad(g, self.scope, owner[q])
                     else:

@@ -1,0 +1,60 @@
+"""Workers for tests/test_shard_run.py (module level, so that spawn can pickle them)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flexflow as ff
+from flexflow.hardware.machine import Machine
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a = nn.Linear(width, 4 * width)
+        self.b = nn.Linear(4 * width, width)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.b(F.gelu(self.a(x))), y)
+
+
+def holdings(rank: int, stage: int) -> dict:
+    """One AdamW step under zero(stage) on the world: what this rank holds."""
+    torch.manual_seed(0)
+    net = Net()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    graph = ff.trace(net, (x, y))
+    world = dist.get_world_size()
+    strategy = ff.Strategy.zero(graph, Machine.preset("cpu", devices=world), stage)
+    par = ff.parallelize(net, example_inputs=(x, y), strategy=strategy)
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
+    rt = par.runtime
+    out = {"total": sum(p.numel() for p in net.parameters())}
+    for step in range(2):
+        loss = par(x, y)
+        out.setdefault("gathered_in_forward", sum(rt.full[q].untyped_storage().nbytes() for q in rt.full))
+        loss.backward()
+        out[f"full_bytes_after_backward_{step}"] = sum(rt.full[q].untyped_storage().nbytes() for q in rt.full)
+        out[f"grad_numel_{step}"] = sum(p.grad.numel() for p in par.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+    out["held"] = sum(p.numel() for p in par.parameters())
+    out["adam_numel"] = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
+    out["state"] = {k: v.clone() for k, v in par.state_dict().items()}
+    ref = Net()
+    ref.load_state_dict({k: v for k, v in zip(ref.state_dict(), _initial())})
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        F.mse_loss(ref.b(F.gelu(ref.a(x))), y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    out["err"] = max(float((out["state"][k] - v).abs().max() / v.abs().max()) for k, v in ref.state_dict().items())
+    del out["state"]
+    return out
+
+
+def _initial():
+    torch.manual_seed(0)
+    return [t.clone() for t in Net().state_dict().values()]
