@@ -195,11 +195,11 @@ def _as_strategy(strategy, graph, machine, ranks, machine_given: bool) -> Strate
         strategy = Strategy.from_json(strategy, graph)
     else:
         raise TypeError(f"strategy must be a flexflow Strategy or its JSON text, got {type(strategy).__name__}")
-    staged = next((op for op in graph.compute_ops if strategy[op.name].shard or strategy[op.name].recompute), None)
+    staged = next((op for op in graph.compute_ops if strategy[op.name].recompute), None)
     if staged is not None:
         raise StrategyError(f"strategy {strategy.name!r} gives {staged.describe()} the config "
-                            f"{strategy[staged.name]}: the executor does not run shard levels or "
-                            "recomputation yet (the simulator and Strategy.fsdp/zero plan them)")
+                            f"{strategy[staged.name]}: the executor does not run "
+                            "recomputation yet (the simulator plans it)")
     used = strategy.devices_used()
     if used and max(used) >= len(ranks):
         bad = next(op for op in graph.compute_ops if max(strategy[op.name].devices) >= len(ranks))
