@@ -21,7 +21,8 @@ __all__ = ["PendingTensor", "Once", "pending"]
 _NO_WAIT = {torch.Tensor.backward, torch.autograd.backward,
             torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
             torch.Tensor.is_leaf.__get__, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
-            torch.Tensor.device.__get__, torch.Tensor.size, torch.Tensor.dim}
+            torch.Tensor.device.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.register_hook,
+            torch.Tensor.register_post_accumulate_grad_hook}
 
 
 def _visit(x, out):

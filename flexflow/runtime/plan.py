@@ -57,11 +57,12 @@ from ..strategy.regions import (
     pick_replica,
 )
 from ..strategy.strategy import Strategy
-from .shardplan import Slice, plan_units, shard_levels, slice_of
+from .shardplan import Slice, group_units, plan_units, shard_levels, slice_of
 
 __all__ = ["Plan", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB", "REDUCE_OUTPUTS"]
 
 BUCKET_CAP_MB = GRAD_BUCKET_BYTES / 2**20  # shared with the simulator's sync model
+SHARD_UNIT_MB = 4.0  # sharded regions gathered (and reduce-scattered) together, up to this size
 REDUCE_OUTPUTS = ("eager", "with_gradients")
 
 
@@ -250,6 +251,8 @@ class Plan:
                     self.shard_keys.add(ranks)
             if qual in self.params and self.params[qual].requires_grad and len(self.shards[qual][2]) > 1:
                 self.shard_level[qual] = level
+        self.unit_quals = group_units(self.graph, self.shard_level, self.shards,
+                                      {q: self.params[q] for q in self.shard_level}, SHARD_UNIT_MB * 2**20)
 
     def _make_flat(self) -> None:
         """Sharded regions: ``full[qual]`` holds the values the ops read, and
@@ -261,8 +264,7 @@ class Plan:
             sl = self.slices[qual] = slice_of(full.numel(), self.shards[qual][2], self.rank)
             self.full[qual] = full
             self.params[qual] = torch.nn.Parameter(full.reshape(-1)[sl.lo:sl.hi].clone())
-        self.units = plan_units(self.program, self.shard_level, self.shards, self.slices,
-                                {q: t.dtype for q, t in self.full.items()})
+        self.units = plan_units(self.program, self.unit_quals, self.shard_level, self.shards, self.slices)
 
     def compute_tensor(self, qual: str) -> torch.Tensor:
         """The tensor the ops read of parameter ``qual`` (its full region where sharded)."""
@@ -368,7 +370,8 @@ class Plan:
         its shards.  Every member of a group holds the same shards, so every
         member forms the same buckets and launches them in the same order."""
         ready = sorted((q for q, (_, _, ranks) in self.shards.items()
-                        if len(ranks) > 1 and q in self.params and self.params[q].requires_grad),
+                        if len(ranks) > 1 and q in self.params and self.params[q].requires_grad
+                        and self.shard_level.get(q, 0) < 2),
                        key=lambda q: -first_use[q])
         open_: dict = {}  # (group key, dtype) -> [quals, bytes]
         done = []
@@ -381,6 +384,9 @@ class Plan:
             if b[1] >= self.bucket_cap_bytes:
                 done.append((k, open_.pop(k)[0]))
         done += [(k, v[0]) for k, v in sorted(open_.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2]))]
+        for quals in self.unit_quals:  # levels 2-3: a gather unit is reduce-scattered as one bucket
+            if self.shard_level[quals[0]] >= 2:
+                done.append(((self.shards[quals[0]][2], self.params[quals[0]].dtype, True), list(quals)))
         gates: dict[int, list] = {}
         for (key, _, _), quals in done:
             gates.setdefault(min(first_use[q] for q in quals), []).append((key, quals))

@@ -3,10 +3,11 @@
 What is sharded and how is planned in :mod:`.shardplan` (pure); this mixin of
 :class:`~flexflow.runtime.execute.Runtime` moves the data:
 
-- forward: at its start, every unit whose slices changed since its last
-  gather (the optimizer stepped, a state dict was loaded) or that was freed
-  is all-gathered asynchronously, in unit order; each is waited for just
-  before its first user runs, so the gathers overlap the ops before it;
+- forward: every unit whose slices changed since its last gather (the
+  optimizer stepped, a state dict was loaded) or that was freed is
+  all-gathered asynchronously, in unit order, :data:`PREFETCH` units ahead
+  of the ops; each is waited for just before its first user runs, so the
+  gathers overlap the ops before it;
 - level 3: after the last forward user of a unit its full regions are freed
   (their storage resized to nothing: autograd's saved references to them
   stay valid, as FSDP does it), and a hook on every user's output gathers
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from .gloo import batched_gloo_loops
 
 __all__ = ["Gathering"]
+
+PREFETCH = 2  # units whose gathers are in flight ahead of the forward
 
 
 class Gathering:
@@ -120,14 +123,25 @@ class Gathering:
             self._bwd_next[key] = 0
         for ui in list(self._inflight):  # prefetched by the last backward, never read
             self._finish_gather(ui)
-        for ui in range(len(self.units)):
+        self._fwd_next = 0
+        self._prefetch(PREFETCH)
+
+    def _prefetch(self, ahead: int) -> None:
+        """Launch the gathers of the next stale units in unit order until ``ahead``
+        are in flight (every member of a group launches its units in that order)."""
+        while self._fwd_next < len(self.units) and len(self._inflight) < ahead:
+            ui = self._fwd_next
+            self._fwd_next += 1
             if self._stale(ui):
                 self._launch_gather(ui)
 
     def _gather_before(self, pos: int) -> None:
         for ui in self._first_at.get(pos, ()):
+            while self._fwd_next <= ui:  # (not yet launched: this one and those before it)
+                self._prefetch(len(self._inflight) + 1)
             if ui in self._inflight:
                 self._finish_gather(ui)
+            self._prefetch(PREFETCH)
 
     def _gather_after(self, pos: int, out, grad: bool) -> None:
         """After program position ``pos``: level-3 units read there hook the output

@@ -17,8 +17,9 @@ training loop.  What the replicas keep besides, by level:
   is reduce-scattered.
 
 At every level the full region is gathered from the slices (one all-gather
-per *unit*: the sharded regions of one group of ranks and dtype whose first
-user is the same op) whenever a slice changed since the last gather (the
+per *unit*: consecutive sharded regions of one group of ranks, dtype and
+level, up to a few MiB, as FSDP wraps a block of layers; at levels 2-3 a
+unit's gradients are reduce-scattered together too) whenever a slice changed since the last gather (the
 optimizer stepped) or the region was freed.
 
 The level of a region is the largest level among the ops of its *parameter
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..graph.ir import OpGraph
 
-__all__ = ["shard_levels", "Slice", "Unit", "slice_of", "plan_units"]
+__all__ = ["Slice", "Unit", "group_units", "plan_units", "shard_levels", "slice_of"]
 
 
 def shard_levels(graph: OpGraph, strategy) -> dict[str, int]:
@@ -100,31 +101,50 @@ class Unit:
     keep: bool = False  # level 3: a user's output has no gradient, so it stays gathered to the end
 
 
-def plan_units(program, shard_level: dict, shards: dict, slices: dict, dtypes: dict) -> list[Unit]:
-    """The gather units of this rank's sharded regions, in program order of their
-    first user.  ``program``: the steps (``step.params`` lists (local, qual, ...));
-    ``shards``: qual -> (view, region, ranks); ``slices``: qual -> :class:`Slice`."""
+def group_units(graph: OpGraph, shard_level: dict, shards: dict, tensors: dict, cap_bytes: float) -> list[list]:
+    """The sharded regions of a rank grouped into units, in graph order of their first
+    user: consecutive regions of one group of ranks, dtype and level, up to ``cap_bytes``
+    of full regions a unit (FSDP wraps a block of layers the same way).  Every member of a
+    group forms the same units (the same regions, the same order)."""
     first: dict[str, int] = {}
-    last: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        for q in op.params.values():
+            if q in shard_level:
+                first.setdefault(q, i)
+    units: list[list] = []
+    open_: dict[tuple, tuple] = {}  # (key, dtype, level) -> (unit, bytes)
+    for q in sorted(first, key=lambda q: (first[q], q)):
+        t = tensors[q]
+        k = (shards[q][2], str(t.dtype), shard_level[q])
+        unit, size = open_.get(k, (None, 0))
+        if unit is None:
+            unit = []
+            units.append(unit)
+        unit.append(q)
+        size += t.numel() * t.element_size()
+        open_[k] = (unit, size) if size < cap_bytes else (None, 0)
+    return units
+
+
+def plan_units(program, unit_quals: list, shard_level: dict, shards: dict, slices: dict) -> list[Unit]:
+    """The gather units (``unit_quals``, from :func:`group_units`) with their program
+    positions: first and last user, every user.  ``program``: the steps (``step.params``
+    lists (local, qual, ...)); ``shards``: qual -> (view, region, ranks); ``slices``:
+    qual -> :class:`Slice`."""
     users: dict[str, list] = {}
     for i, step in enumerate(program):
         for entry in step.params:
             q = entry[1]
-            if q in shard_level:
-                first.setdefault(q, i)
-                last[q] = i
-                if not users.setdefault(q, []) or users[q][-1] != i:
-                    users[q].append(i)
-    units: dict[tuple, Unit] = {}
-    for q in sorted(first, key=lambda q: (first[q], q)):
-        key = shards[q][2]
-        k = (first[q], key, str(dtypes[q]), shard_level[q])
-        u = units.get(k)
-        if u is None:
-            u = units[k] = Unit(key, shard_level[q], [], first[q], last[q])
-        u.quals.append(q)
-        u.last = max(u.last, last[q])
-        u.users = sorted(set(u.users) | set(users[q]))
-        u.offsets.append(u.chunk)
-        u.chunk += slices[q].chunk
-    return list(units.values())
+            if q in shard_level and (not users.setdefault(q, []) or users[q][-1] != i):
+                users[q].append(i)
+    out = []
+    for quals in unit_quals:
+        pos = sorted({i for q in quals for i in users.get(q, ())})
+        u = Unit(shards[quals[0]][2], shard_level[quals[0]], list(quals), pos[0] if pos else 0,
+                 pos[-1] if pos else 0)
+        u.users = pos
+        for q in quals:
+            u.offsets.append(u.chunk)
+            u.chunk += slices[q].chunk
+        out.append(u)
+    return out
