@@ -111,7 +111,7 @@ class Comm:
     def _post_sends(self, name: str, x: torch.Tensor) -> None:
         x = x.detach()
         for ex in self.sends_after[name]:
-            ops = [(True, _wire(x[p.src_region]).contiguous(), p.dst, 2 * ex.index) for p in ex.sends]
+            ops = [(True, _wire(x[p.src_region].to(ex.dtype)).contiguous(), p.dst, 2 * ex.index) for p in ex.sends]
             works = self.p2p(ops)
             self._sends.append((works, [t for _, t, _, _ in ops]))
 

@@ -57,13 +57,13 @@ class Runtime(Plan, Comm, Riding, State, Gathering):
 
     def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
                  *, device=None, timeout_s: float = 300.0, bucket_cap_mb: float = BUCKET_CAP_MB,
-                 reduce_outputs: str = "with_gradients"):
+                 reduce_outputs: str = "with_gradients", precision: str = "32-true"):
         self.distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if self.distributed else 0
         world = dist.get_world_size() if self.distributed else 1
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
         super().__init__(graph, strategy, module, ranks, rank=rank, world=world, device=device,
-                         bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
+                         bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision)
         self.nccl = self.distributed and dist.get_backend() == "nccl"
         self.step = 0  # forward passes run so far (error messages name the step)
         self.closed = False
@@ -106,6 +106,9 @@ class Runtime(Plan, Comm, Riding, State, Gathering):
         self.settle()
         self.step += 1
         try:
+            if self.precision.mixed:  # every op as under torch.autocast in one process
+                with torch.autocast(self.device.type, dtype=self.precision.compute):
+                    return self._run(inputs, tensors, input_ops)
             return self._run(inputs, tensors, input_ops)
         except BaseException as e:
             self.broken = f"step {self.step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cost.model import GRAD_BUCKET_BYTES
+from ..cost.precision import PRECISIONS
 from ..graph.ir import Op, OpGraph, dtype_bytes
 from ..graph.ops import RULES
 from ..graph.ops.base import region_shape
@@ -68,6 +69,43 @@ REDUCE_OUTPUTS = ("eager", "with_gradients")
 
 class ExecutorError(RuntimeError):
     """The runtime cannot run a graph/strategy as given."""
+
+
+# the precisions the runtime runs: the module's own dtypes, or bfloat16 autocast with the
+# parameters, gradients and optimizer state in float32 (messages between ranks in bfloat16)
+RUN_PRECISIONS = ("32-true", "bf16-mixed")
+# rules whose floating output autocast computes in its lower dtype on every device type
+LOWERED_RULES = frozenset({"linear", "linear_t", "matmul", "conv", "attention"})
+
+
+# rules that keep their floating inputs' dtype when they hold no parameter (elementwise, layout)
+_FOLLOWS_INPUTS = frozenset({"pointwise", "reshape", "transpose", "index", "concat", "pad", "pool", "unpack"})
+
+
+def lowered_outputs(graph: OpGraph) -> set:
+    """Names of the ops whose floating output autocast computes in its lower dtype on
+    every device type: the :data:`LOWERED_RULES`, and elementwise or layout ops without
+    parameters all of whose floating inputs are such outputs."""
+    out: set = set()
+    for op in graph.ops:
+        if not op.dtype.is_floating_point or op.everywhere:
+            continue
+        if op.rule in LOWERED_RULES:
+            out.add(op.name)
+        elif op.rule in _FOLLOWS_INPUTS and not op.params:
+            floats = [s for s in op.inputs if graph.op(s).dtype.is_floating_point]
+            if floats and all(s in out for s in floats):
+                out.add(op.name)
+    return out
+
+
+def _precision_error(precision) -> str:
+    if precision == "bf16-true":
+        return ("precision 'bf16-true' is the module in bfloat16: convert it (module.to(torch.bfloat16)) "
+                "and parallelize it with precision='32-true' (its own dtypes)")
+    if precision == "16-mixed":
+        return "precision '16-mixed' needs loss scaling, which the runtime does not run yet; use 'bf16-mixed'"
+    return f"precision must be one of {list(RUN_PRECISIONS)}, got {precision!r}"
 
 
 # --------------------------------------------------------------------------- records
@@ -172,8 +210,11 @@ class Plan:
 
     def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
                  *, rank: int = 0, world: int = 1, device=None, bucket_cap_mb: float = BUCKET_CAP_MB,
-                 reduce_outputs: str = "with_gradients"):
+                 reduce_outputs: str = "with_gradients", precision: str = "32-true"):
         self.graph, self.strategy, self.module = graph, strategy, module
+        if precision not in RUN_PRECISIONS:
+            raise ExecutorError(_precision_error(precision))
+        self.precision = PRECISIONS[precision]
         self.ranks = [int(r) for r in ranks]  # device k of the strategy -> global rank
         self.rank, self.world = int(rank), int(world)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -265,6 +306,21 @@ class Plan:
             self.full[qual] = full
             self.params[qual] = torch.nn.Parameter(full.reshape(-1)[sl.lo:sl.hi].clone())
         self.units = plan_units(self.program, self.unit_quals, self.shard_level, self.shards, self.slices)
+
+    def message_dtype(self, prod: Op, partial: bool = False) -> torch.dtype:
+        """The dtype ``prod``'s output moves between ranks in: the traced one, or under
+        ``*-mixed`` the compute dtype where autocast surely computes it in that dtype
+        (:func:`lowered_outputs`), so that the consumer sees the values and dtype one
+        process would.  Where unsure, the traced dtype: an exact upcast of whatever the
+        producer computed.  Partial sums travel in the traced dtype (one process rounds
+        the whole sum once)."""
+        pr = self.precision
+        if not pr.mixed or partial or not prod.dtype.is_floating_point:
+            return prod.dtype
+        lowered = self.__dict__.get("_lowered")
+        if lowered is None:
+            lowered = self._lowered = lowered_outputs(self.graph)
+        return pr.compute if prod.name in lowered else prod.dtype
 
     def compute_tensor(self, qual: str) -> torch.Tensor:
         """The tensor the ops read of parameter ``qual`` (its full region where sharded)."""
@@ -422,7 +478,8 @@ class Plan:
             index = self.num_exchanges
             self.num_exchanges += 1
             self.last_exchange_op = self.graph.index[op.name]
-            self.comm_bytes += sum(math.prod(p.shape) for p in remote) * dtype_bytes(prod.dtype)
+            self.comm_bytes += sum(math.prod(p.shape) for p in remote) * dtype_bytes(
+                self.message_dtype(prod, pparts[0].partial))
         me = self.rank
         sends = [p for p in remote if p.src == me]
         recvs = [p for p in remote if p.dst == me]
@@ -436,7 +493,7 @@ class Plan:
             return ("slice", src, None if _is_full(local[0].src_region, region_shape(q.output))
                     else local[0].src_region)
         qm = self._mine(pparts)
-        ex = Exchange(index, op.name, i, src, pparts[0].partial, prod.dtype,
+        ex = Exchange(index, op.name, i, src, pparts[0].partial, self.message_dtype(prod, pparts[0].partial),
                       grad and prod.dtype.is_floating_point,
                       region_shape(mine.inputs[i]) if need else None,
                       None if qm is None else region_shape(qm.output),

@@ -1,0 +1,65 @@
+"""Workers for tests/test_mixed_run.py (module level, so that spawn can pickle them)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import flexflow as ff
+from flexflow.hardware.machine import Machine
+
+from _loop_workers import batch_for, build, make_strategy
+
+STEPS = 3
+
+
+def _loop(model, batch: int, autocast: bool) -> tuple[list, dict]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam would amplify rounding noise of near-0 gradients)
+    losses = []
+    for i in range(STEPS):
+        opt.zero_grad()
+        xs = batch_for(model if hasattr(model, "input_specs") else model.original_module, batch, i)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(*xs)
+        else:
+            loss = model(*xs)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _norm(ts) -> float:
+    return float(torch.stack([t.double().norm() for t in ts]).norm())
+
+
+def mixed(rank: int, name: str, batch: int, specs) -> list:
+    """bf16-mixed on the world for each strategy spec against one process under autocast
+    (SGD steps): (spec, loss relative errors, the parameters' relative error (the norm of
+    the difference over the norm of the parameters, all tensors together), the
+    first loss's relative difference between float32 and autocast in one process, the
+    three worst parameters)."""
+    torch.set_num_threads(1)
+    module, example = build(name, batch)
+    init = copy.deepcopy(module.state_dict())
+    ref = copy.deepcopy(module)
+    ref_losses = _loop(ref, batch, True)
+    fp32 = copy.deepcopy(module)
+    first32 = _loop(fp32, batch, False)[0]
+    scale = abs(first32 - ref_losses[0]) / abs(ref_losses[0])  # float32 against autocast, first step
+    graph = ff.trace(module, example)
+    out = []
+    for spec in specs:
+        module.load_state_dict(init)
+        strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
+        par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="bf16-mixed")
+        losses = _loop(par, batch, False)
+        state = par.state_dict()
+        refs = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
+        errs = sorted(((float((state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)), k)
+                       for k, v in refs.items()), reverse=True)
+        whole = _norm([state[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
+        out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scale, errs[:3]))
+    return out

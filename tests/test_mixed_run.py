@@ -1,0 +1,28 @@
+"""bf16-mixed runs for real: 2 and 4 gloo ranks against one process under torch.autocast(bfloat16)."""
+import _mixed_workers as W
+import pytest
+
+import flexflow as ff
+from flexflow.launch import launch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name,batch,specs", [
+    (2, "mlp", 8, ["data_parallel", "model_parallel", "random:0", "fsdp", "shard:1"]),
+    (2, "transformer", 8, ["data_parallel", "random:0"]),
+    (4, "mlp", 8, ["random:2", "shard:2"]),
+])
+def test_bf16_mixed_trains_as_one_process_under_autocast(world, name, batch, specs):
+    for spec, loss_errs, err, scale, worst in launch(W.mixed, world, name, batch, specs, timeout_s=180)[0]:
+        # equal within bfloat16 rounding (8 bits of mantissa: 2**-8 = 0.4% an op) ...
+        assert max(loss_errs) < 1e-3, (spec, loss_errs)
+        assert err < 1e-2, (spec, err, worst)  # all parameters together (one small bias can be 5% off)
+        # ... and the first loss far closer to autocast's than float32's is: mixed, not float32
+        assert loss_errs[0] < scale / 4, (spec, loss_errs[0], scale)
+
+
+def test_unknown_and_unrun_precisions_are_refused_by_name():
+    m, x = W.build("mlp", 4)
+    for bad, words in (("fp8", "must be one of"), ("16-mixed", "loss scaling"), ("bf16-true", "module.to")):
+        with pytest.raises(ValueError, match=words):
+            ff.parallelize(m, example_inputs=x, strategy=None, precision=bad)
