@@ -72,7 +72,8 @@ def batch_for(module, batch: int, i: int):
 
 def make_strategy(spec: str, graph, machine) -> Strategy:
     """``data_parallel``, ``fsdp``, ``zero:S``, ``random:SEED``, ``shard:SEED`` (a random
-    strategy with a random shard level on every op whose parameters have replicas)."""
+    strategy with a random shard level on every op whose parameters have replicas),
+    ``rc:SEED`` (that, with every other op recomputed)."""
     kind, _, arg = spec.partition(":")
     if kind == "random":
         return Strategy.random(graph, machine, int(arg))
@@ -80,6 +81,11 @@ def make_strategy(spec: str, graph, machine) -> Strategy:
         return Strategy.zero(graph, machine, int(arg))
     if kind == "shard":
         return with_random_shards(Strategy.random(graph, machine, int(arg)), graph, int(arg))
+    if kind == "rc":  # and every other op recomputed
+        s = with_random_shards(Strategy.random(graph, machine, int(arg)), graph, int(arg))
+        for op in graph.compute_ops[int(arg) % 2::2]:
+            s = s.replace(op.name, s[op.name].with_recompute())
+        return s
     return getattr(Strategy, kind)(graph, machine)
 
 

@@ -58,3 +58,47 @@ def holdings(rank: int, stage: int) -> dict:
 def _initial():
     torch.manual_seed(0)
     return [t.clone() for t in Net().state_dict().values()]
+
+
+class DropNet(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a = nn.Linear(width, 4 * width)
+        self.b = nn.Linear(4 * width, width)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.b(F.dropout(F.gelu(self.a(x)), 0.3, self.training)), y)
+
+
+def recompute_same(rank: int, seed: int) -> dict:
+    """Training mode (dropout): a random strategy with shard levels, run as it is and with
+    every op recomputed, from the same seed: the same losses and parameters (the
+    recomputation redraws the same dropout mask)."""
+    from _loop_workers import with_random_shards
+    torch.manual_seed(0)
+    net = DropNet()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    graph = ff.trace(net, (x, y))
+    mach = Machine.preset("cpu", devices=dist.get_world_size())
+    base = with_random_shards(ff.Strategy.random(graph, mach, seed), graph, seed)
+    rc = base
+    for op in graph.compute_ops:
+        rc = rc.replace(op.name, rc[op.name].with_recompute())
+    init = {k: v.clone() for k, v in net.state_dict().items()}
+    out = {}
+    for name, s in (("plain", base), ("recomputed", rc)):
+        net.load_state_dict(init)
+        par = ff.parallelize(net, example_inputs=(x, y), strategy=s)
+        par.train()
+        opt = torch.optim.SGD(par.parameters(), lr=0.1)
+        torch.manual_seed(1 + dist.get_rank())
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = par(x, y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        out[name] = (losses, {k: v.clone() for k, v in par.state_dict().items()})
+    (l0, s0), (l1, s1) = out["plain"], out["recomputed"]
+    return {"losses": (l0, l1), "err": max(float((s0[k] - s1[k]).abs().max()) for k in s0)}

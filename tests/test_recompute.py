@@ -92,8 +92,8 @@ def test_recomputing_a_gelu_chain_frees_what_the_liveness_model_says(one):
 
 def test_recomputing_an_op_that_saves_only_its_output_trades_it_for_its_input(one):
     """ReLU saves its output, not its input: recomputed, its output goes, but its input
-    (the linear's output, the same size) must stay until the recomputation reads it --
-    nothing saved, one more copy where each of them is made."""
+    (the linear's output, the same size) stays until ReLU's backward (its checkpoint holds
+    it) -- nothing saved, one more copy where each of them is made and at ReLU's backward."""
     g = _chain(torch.relu)
     sim = Simulator(g, one)
     plain = Strategy.data_parallel(g, one)
@@ -105,7 +105,7 @@ def test_recomputing_an_op_that_saves_only_its_output_trades_it_for_its_input(on
     n, o = len(g.ops), g.index[relu.name]
     down = o + 1
     want = np.zeros_like(live0)
-    want[down] = want[2 * n - 1 - down] = B * 4 * W * 4
+    want[down] = want[2 * n - 1 - down] = want[2 * n - 1 - o] = B * 4 * W * 4
     assert np.array_equal(live1 - live0, want)
 
 
@@ -130,11 +130,14 @@ def test_recompute_lowers_a_transformers_peak_and_costs_about_its_forward(transf
     assert {"gelu", "softmax", "linear", "dropout"} <= {op.kind for op in picked}
     assert not any(op.kind in ("view", "transpose", "embedding") for op in picked)
     r0 = sim.simulate(dp, incremental=False)
-    r1 = sim.simulate(_with_recompute(dp, picked), incremental=False)
+    # the linear layers' outputs (recomputing a chain of ops one by one saves less: each
+    # op's checkpoint holds its inputs, a recomputed producer's output among them)
+    linears = [op for op in picked if op.kind == "linear"]
+    r1 = sim.simulate(_with_recompute(dp, linears), incremental=False)
     assert max(r1.peak_memory) < 0.8 * max(r0.peak_memory)
     # every device runs a quarter of each op: the step grows by about one partition's forwards
     cm = sim.cost_model
-    fwd = sum(cm.op_time(op, partitions(op, dp[op.name])[0], 0)[0] for op in picked)
+    fwd = sum(cm.op_time(op, partitions(op, dp[op.name])[0], 0)[0] for op in linears)
     grew = r1.iteration_time - r0.iteration_time
     assert 0.8 * fwd <= grew <= 1.2 * fwd, (grew, fwd)
 

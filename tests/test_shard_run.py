@@ -24,3 +24,11 @@ def test_each_stage_keeps_what_it_says_and_trains_as_one_process(world):
             else:  # stages 1 and 2 keep the full parameters (float32) between steps
                 assert r["gathered_in_forward"] == 4 * total
                 assert r["full_bytes_after_backward_1"] == 4 * total
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recomputation_redraws_the_same_dropout_and_trains_the_same(seed):
+    for r in launch(W.recompute_same, 2, seed, timeout_s=120):
+        (plain, recomputed), err = r["losses"], r["err"]
+        assert plain == recomputed and err == 0.0, (plain, recomputed, err)
+        assert len(set(plain)) == 3  # (it trained)

@@ -28,10 +28,11 @@ from flexflow.launch import launch
 TOL = 1e-5
 # shard levels: zero:S and fsdp (data parallelism sharded), shard:SEED (a random strategy
 # with random levels 1-3 on the ops whose parameters have replicas)
+# rc:SEED: shard:SEED with every other op recomputed
 CASES_2 = [("mlp", 9, ["data_parallel", "model_parallel", "random:0", "random:1", "zero:1", "zero:2", "fsdp",
-                       "shard:1"]),
-           ("transformer", 8, ["data_parallel", "model_parallel", "random:0", "fsdp", "shard:0"])]
-CASES_4 = [("mlp", 6, ["data_parallel", "model_parallel", "random:2", "fsdp", "shard:2"])]
+                       "shard:1", "rc:0"]),
+           ("transformer", 8, ["data_parallel", "model_parallel", "random:0", "fsdp", "shard:0", "rc:1"])]
+CASES_4 = [("mlp", 6, ["data_parallel", "model_parallel", "random:2", "fsdp", "shard:2", "rc:3"])]
 LOOPS_4 = ["clip2_torch", "clipinf_par", "accum_no_sync", "accum_no_sync_early1"]
 
 

@@ -25,6 +25,11 @@ def _all_reduce(t: torch.Tensor, group):
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def _as(x, dtype):
+    """``x`` in the message dtype (cast only where it differs: under ``*-mixed``)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
     """Start summing ``t`` over ``group`` with each member receiving its equal
     part of the sum (rank order) into ``out``; its work."""
@@ -111,7 +116,7 @@ class Comm:
     def _post_sends(self, name: str, x: torch.Tensor) -> None:
         x = x.detach()
         for ex in self.sends_after[name]:
-            ops = [(True, _wire(x[p.src_region].to(ex.dtype)).contiguous(), p.dst, 2 * ex.index) for p in ex.sends]
+            ops = [(True, _wire(_as(x[p.src_region], ex.dtype)).contiguous(), p.dst, 2 * ex.index) for p in ex.sends]
             works = self.p2p(ops)
             self._sends.append((works, [t for _, t, _, _ in ops]))
 

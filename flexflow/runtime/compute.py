@@ -36,7 +36,7 @@ def compile_step(plan: Plan, step: _Step):
     stacking of the output) made here once; None for steps that exchange,
     gate parameters or run everywhere."""
     op = step.op
-    if step.everywhere or step.part is None or step.gate is not None or \
+    if step.everywhere or step.part is None or step.gate is not None or plan.strategy[op.name].recompute or \
             any(e is not None and e[0] == "xchg" for e in step.inputs):
         return None
     stacked_in = {s for s in op.inputs if plan.graph.op(s).attrs.get("stacked")

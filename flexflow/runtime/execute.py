@@ -27,6 +27,7 @@ not to the graph inputs.  The shapes are those of the traced example.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
@@ -42,6 +43,7 @@ from .comm import Comm
 from .compute import _compute, _Stacked, _tensor, compile_program
 from .pending import Once, pending
 from .plan import BUCKET_CAP_MB, ExecutorError, Plan
+from .recompute import Recomputing
 from .shard import Gathering
 from .state import State
 from .sync import Riding, _GradSync, _Rider
@@ -49,7 +51,7 @@ from .sync import Riding, _GradSync, _Rider
 __all__ = ["Runtime"]
 
 
-class Runtime(Plan, Comm, Riding, State, Gathering):
+class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
     """One rank's share of a (graph, strategy): its parameter shards, its
     program and the static communication plan (a :class:`Plan` of this rank
     that also communicates).  Build it on every rank of the world with the
@@ -80,6 +82,7 @@ class Runtime(Plan, Comm, Riding, State, Gathering):
         self.broken: str | None = None
         self._make_groups()
         self._make_gather_groups()
+        self._recompute_setup()
         self.sync = _GradSync(self)
         shutdown.register(self)
 
@@ -106,10 +109,13 @@ class Runtime(Plan, Comm, Riding, State, Gathering):
         self.settle()
         self.step += 1
         try:
-            if self.precision.mixed:  # every op as under torch.autocast in one process
-                with torch.autocast(self.device.type, dtype=self.precision.compute):
-                    return self._run(inputs, tensors, input_ops)
-            return self._run(inputs, tensors, input_ops)
+            with contextlib.ExitStack() as stack:
+                if self.precision.mixed:  # every op as under torch.autocast in one process
+                    stack.enter_context(torch.autocast(self.device.type, dtype=self.precision.compute))
+                if self.recomputed and torch.is_grad_enabled():  # readers save recipes of their outputs
+                    self._rc_begin_forward()
+                    stack.enter_context(self._rc_hooks())
+                return self._run(inputs, tensors, input_ops)
         except BaseException as e:
             self.broken = f"step {self.step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise
@@ -185,7 +191,9 @@ class Runtime(Plan, Comm, Riding, State, Gathering):
             if step.part is None:
                 continue
             params = {local: read(pvals) for local, read in step.param_readers}
-            if profiling:
+            if op.name in self.recomputed:
+                vals[op.name] = self._rc_compute(step, ins, params)
+            elif profiling:
                 with torch.profiler.record_function(f"{op.name} fwd"):
                     vals[op.name] = _compute(op, step.part.block, ins, params)
             else:

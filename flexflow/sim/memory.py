@@ -26,8 +26,8 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   ``torch.utils.checkpoint`` keeps a segment's inputs): its producers' outputs and its
   received input regions, so recomputing an op whose input is saved anyway (GELU, a
   linear layer's output before GELU) saves its output, and one that saves only its output
-  (ReLU) saves nothing.  A recomputed op that a recomputed consumer reads before its own
-  recomputation stays kept until then.  The time is the template's (``plans.py``: a
+  (ReLU) saves nothing.  A recomputed op that a recomputed consumer reads stays kept until
+  that consumer's backward (its checkpoint holds its inputs).  The time is the template's (``plans.py``: a
   recomputed partition's backward lasts its forward plus its backward);
 - the gradient of an op's output, from the backward of its last consumer to its own
   backward; every other consumer's contribution is a transient at that consumer's backward;
@@ -121,9 +121,17 @@ _NOTHING = _Saves()
 _BINARY = frozenset({"mul", "div"})  # by a scalar they keep nothing
 
 
+# a product keeps each factor for the other's gradient only: x * cos (a rotary table that
+# needs no gradient) keeps cos, not x; keyed by (input 1 needs a gradient, input 0 does)
+_MUL = {(a, b): _Saves(inputs=tuple(i for i, keep in ((0, a), (1, b)) if keep))
+        for a in (False, True) for b in (False, True)}
+
+
 def _saves(op) -> _Saves:
     if op.kind in _BINARY and len(op.inputs) < 2:
         return _NOTHING
+    if op.kind == "mul" and len(op.inputs) == 2:
+        return _MUL[op.input_needs_grad(1), op.input_needs_grad(0)]
     return _SAVES.get(op.kind, _OPAQUE)
 
 
@@ -270,9 +278,9 @@ class Liveness:
                     if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
                         _, _, _, von = self.rows(v, cfg[v])
                         np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
-                    elif cfg[v].recompute and self.rc_real[v]:  # v runs again from its inputs
+                    elif cfg[v].recompute and self.rc_real[v]:  # v's checkpoint holds its inputs to its backward
                         _, _, _, von = self.rows(v, cfg[v])
-                        np.maximum(keep, np.where(von, self.rc_pos[v], 0), out=keep)
+                        np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
                 for f in sorted(set(keep[on].tolist())):
                     live(F, f, np.where(on & (keep == f), out, 0))
             if sv.extra[0]:
@@ -316,10 +324,9 @@ class Liveness:
 
     def _recomputed(self, o: int, cfg: list, sv, out, on, last_f: int, live) -> None:
         """The output events of an op o recomputed in the backward (``cfg[o].recompute``):
-        kept from its forward to its last forward read, and further only as far as a
-        recomputed consumer that runs again before o does reads it (a recomputed op reads
-        its inputs as they were kept: ``torch.utils.checkpoint`` keeps a segment's inputs);
-        then made again at ``rc_pos[o]`` (the earliest backward that needs it) and kept to
+        kept from its forward to its last forward read, and further to the backward of a
+        recomputed consumer (``torch.utils.checkpoint`` holds a segment's inputs until its
+        backward), a copy that the recomputation does not reuse; made again at ``rc_pos[o]`` (the earliest backward that needs it) and kept to
         the last backward that needs it on each device (its saving consumers', a recomputed
         consumer's recomputation, its own where it saves its output) -- a transient at
         ``rc_pos[o]`` on a device where none of those runs."""
@@ -327,23 +334,26 @@ class Liveness:
         R, B = self.rc_pos[o], 2 * n - 1 - o
         kept = np.full(D, last_f, np.int64)
         until = np.full(D, R, np.int64)
+        again = np.zeros(D, bool)  # devices where a reader needs the output made again
         if sv.output and self.rg[o]:
             until[:] = B
+            again[:] = True
         for v, j in self.uses[o]:
+            if cfg[v].recompute and self.rc_real[v]:  # its checkpoint holds its inputs to its backward
+                _, _, _, von = self.rows(v, cfg[v])
+                np.maximum(kept, np.where(von, 2 * n - 1 - v, 0), out=kept)
+                continue
             if v in self.savers[o]:
                 s = _saves(ops[v])
                 if s.inputs == "all" or j in s.inputs:
                     _, _, _, von = self.rows(v, cfg[v])
                     np.maximum(until, np.where(von, 2 * n - 1 - v, 0), out=until)
-                    continue
-            if cfg[v].recompute and self.rc_real[v]:
-                _, _, _, von = self.rows(v, cfg[v])
-                p = self.rc_pos[v]
-                np.maximum(kept if p < R else until, np.where(von, p, 0), out=kept if p < R else until)
-        for k, e in sorted(set(zip(kept[on].tolist(), until[on].tolist()))):
-            row = np.where(on & (kept == k) & (until == e), out, 0)
+                    again |= von
+        for k, e, a in sorted(set(zip(kept[on].tolist(), until[on].tolist(), again[on].tolist()))):
+            row = np.where(on & (kept == k) & (until == e) & (again == a), out, 0)
             live(o, k, row)
-            live(R, e, row)
+            if a:
+                live(R, e, row)
 
     def kept_for_backward(self, o: int) -> int:
         """Bytes of op o's output and saved extras (whole op, compute dtype) that live from its

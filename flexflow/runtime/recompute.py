@@ -1,0 +1,124 @@
+"""Recomputation at run time: an op's output freed after the forward and made again in the backward.
+
+An op whose config has ``recompute=True`` runs under
+``torch.utils.checkpoint`` (non-reentrant): its forward keeps only its
+inputs, its backward computes what it needs again.  Its output is not kept either: while
+the forward runs, a ``saved_tensors_hooks`` pack hook replaces any tensor a
+later op saves for its backward that lives in such an output (the output or a
+view of it) by a recipe; the unpack hook, in the backward, recomputes the
+output once (the same inputs, parameters, random state and autocast state)
+and hands out the view.  So the output lives from the op's forward to its
+last forward reader, and again from the first backward that needs it, as
+the simulator assumes (:mod:`flexflow.sim.memory`); a recomputed op read by
+another recomputed op stays until that one's backward (its checkpoint holds
+its inputs).  A sharded level-3 parameter the recomputation reads is
+gathered again first.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .compute import _compute
+
+__all__ = ["Recomputing"]
+
+
+class _Recipe:
+    """How to make a recomputed output again, and the view of it a reader saved."""
+
+    __slots__ = ("source", "offset", "size", "stride")
+
+    def __init__(self, source, offset, size, stride):
+        self.source, self.offset, self.size, self.stride = source, offset, size, stride
+
+
+class _Source:
+    """One recomputed output: its op, inputs, parameters, random and autocast state."""
+
+    __slots__ = ("op", "block", "ins", "params", "rng", "autocast", "base_offset", "cache", "quals")
+
+    def __init__(self, op, block, ins, params, rng, autocast, base_offset, quals):
+        self.op, self.block, self.ins, self.params = op, block, ins, params
+        self.rng, self.autocast, self.base_offset, self.quals = rng, autocast, base_offset, quals
+        self.cache = None
+
+
+def _remake(rt, op, block, ins, params, rng, auto, quals):
+    """The partition computed again as in its forward (random and autocast state);
+    level-3 parameters it reads gathered again first."""
+    if rt.units and quals:
+        for ui, u in enumerate(rt.units):
+            if any(q in rt._freed for q in u.quals if q in quals):
+                rt._regather(ui)
+    enabled, dtype = auto
+    with torch.random.fork_rng(devices=[]), torch.autocast(rt.device.type, dtype=dtype, enabled=enabled):
+        torch.set_rng_state(rng)
+        return _compute(op, block, ins, params)
+
+
+class Recomputing:
+    """The recomputed ops of a runtime (a mixin)."""
+
+    def _recompute_setup(self) -> None:
+        self.recomputed = {op.name for op in self.graph.compute_ops if self.strategy[op.name].recompute}
+        self._rc_live: dict[int, tuple] = {}  # storage address -> (weak ref to the output, source)
+
+    def _rc_hooks(self):
+        """The pack/unpack hooks for one forward (a context manager)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._rc_pack, self._rc_unpack)
+
+    def _rc_compute(self, step, ins: list, params: dict):
+        """Op ``step.op``'s partition, recomputed in the backward (under autograd), or
+        plainly computed (without)."""
+        op, block = step.op, step.part.block
+        if not torch.is_grad_enabled():
+            return _compute(op, block, ins, params)
+        keys = list(params)
+        auto = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
+        quals = [q for _, q, *_ in step.params]
+        rng = torch.get_rng_state()
+        n = len(ins)
+
+        def fn(*args):
+            return _compute(op, block, list(args[:n]), dict(zip(keys, args[n:])))
+        out = checkpoint(fn, *ins, *[params[k] for k in keys], use_reentrant=False, preserve_rng_state=True)
+        if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr():
+            # the output holds its source, and a reader's recipe too: nothing else does
+            out._ff_rc_source = _Source(op, block, list(ins), dict(params), rng, auto, out.storage_offset(), quals)
+            self._rc_live[out.untyped_storage().data_ptr()] = weakref.ref(out)
+        return out
+
+    def _rc_source(self, t):
+        """The source of the recomputed output ``t`` lives in (None: it is no such thing)."""
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        ref = self._rc_live.get(ptr)
+        out = None if ref is None else ref()
+        if out is None or out.untyped_storage().data_ptr() != ptr:
+            return None
+        return out._ff_rc_source
+
+    def _rc_pack(self, t):
+        src = self._rc_source(t)
+        if src is None:
+            return t
+        return _Recipe(src, t.storage_offset() - src.base_offset, tuple(t.size()), tuple(t.stride()))
+
+    def _rc_unpack(self, x):
+        if not isinstance(x, _Recipe):
+            return x
+        src = x.source
+        full = src.cache
+        if full is None:
+            with torch.no_grad():
+                full = src.cache = _remake(self, src.op, src.block, src.ins, src.params, src.rng, src.autocast,
+                                           src.quals)
+        return full.as_strided(x.size, x.stride, full.storage_offset() + x.offset)
+
+    def _rc_begin_forward(self) -> None:
+        """Drop the entries of outputs already freed (their addresses may be reused)."""
+        self._rc_live = {k: v for k, v in self._rc_live.items() if v() is not None}
