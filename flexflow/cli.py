@@ -15,23 +15,28 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def _paper_batch(name: str) -> int:
-    return 256 if name == "alexnet" else 64
-
-
-def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True):
+def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True, size: str | None = None,
+               seq: int | None = None):
     """(module, example_inputs, label) for a zoo name or ``path/file.py:factory``
     (a factory may return a dict of keyword inputs as its example inputs).
 
-    Zoo models at paper size are built on the meta device (planning needs
-    shapes, not values) unless ``meta`` is False."""
+    Zoo models are built on the meta device (planning needs shapes, not values)
+    unless ``meta`` is False; ``size`` and ``seq`` (``--size``, ``--seq``) pick a zoo
+    model's size and sequence length (gpt2, llama)."""
     from . import models
     if spec in models.names():
-        b = batch if batch is not None else _paper_batch(spec) * devices
-        if b < 1:
-            raise CLIError(f"--batch must be positive, got {b}")
-        module, inputs = models.get(spec, batch_size=b, device="meta" if meta else None)
-        return module, inputs, spec
+        size = size or "paper"
+        try:
+            b = batch if batch is not None else models.paper_batch(spec, size) * devices
+            if b < 1:
+                raise CLIError(f"--batch must be positive, got {b}")
+            module, inputs = models.get(spec, batch_size=b, size=size, seq_len=seq, device="meta" if meta else None)
+        except ValueError as e:
+            raise CLIError(str(e).replace("seq_len", "--seq")) from None
+        label = spec if size == "paper" else f"{spec}-{size}"
+        return module, inputs, label
+    if size is not None or seq is not None:
+        raise CLIError(f"--size and --seq apply to zoo models ({', '.join(models.names())}), not to {spec!r}")
     if ":" not in spec or not spec.split(":")[0].endswith(".py"):
         raise CLIError(f"unknown model {spec!r}: use a zoo name ({', '.join(models.names())}) "
                        "or path/to/file.py:factory")
@@ -103,7 +108,7 @@ def cmd_models(args) -> int:
 def cmd_trace(args) -> int:
     from .hardware.machine import Machine
     from .strategy.candidates import strategy_space_log10
-    module, inputs, label = load_model(args.model, args.batch)
+    module, inputs, label = load_model(args.model, args.batch, size=args.size, seq=args.seq)
     graph = _trace(module, inputs)
     rows = []
     for op in graph.ops:
@@ -192,7 +197,7 @@ def cmd_profile(args) -> int:
         import torch
         if not torch.cuda.is_available():
             raise CLIError("--device cuda: no CUDA device here")
-    module, inputs, label = load_model(args.model, args.batch, meta=True)
+    module, inputs, label = load_model(args.model, args.batch, meta=True, size=args.size, seq=args.seq)
     graph = _trace(module, inputs)
     rep = profile.profile_graph(graph, device=args.device, progress=not args.json and sys.stderr.isatty())
     if args.json:
@@ -234,7 +239,7 @@ def _sim_json(label, machine, strategy_name, res, batch, precision="32-true"):
             "throughput": batch / res.iteration_time if res.iteration_time > 0 else 0.0,
             "comm_bytes": res.comm_bytes, "sync_bytes": res.sync_bytes,
             "peak_memory_bytes": list(res.peak_memory), "feasible": res.feasible,
-            "mfu": getattr(res, "mfu", 0.0)}
+            "mfu": getattr(res, "mfu", 0.0), "tokens_per_s_per_device": getattr(res, "tokens_per_s_per_device", 0.0)}
 
 
 def _precision_arg(args) -> str:
@@ -246,8 +251,10 @@ def _precision_arg(args) -> str:
 def _print_sim(label, machine, strategy_name, res, batch, precision="32-true"):
     print(f"{label} on {machine.name} ({machine.num_devices} devices), strategy {strategy_name}"
           + ("" if precision == "32-true" else f", precision {precision}"))
+    tokens = getattr(res, "tokens_per_s_per_device", 0.0)
+    per_device = f", {tokens:,.0f} tokens/s per device" if tokens else ""
     print(f"  iteration time  {res.iteration_time * 1e3:10.3f} ms   "
-          f"({batch / res.iteration_time:,.0f} samples/s, MFU {100 * getattr(res, 'mfu', 0.0):.1f}%)")
+          f"({batch / res.iteration_time:,.0f} samples/s{per_device}, MFU {100 * getattr(res, 'mfu', 0.0):.1f}%)")
     print(f"  activations moved {_fmt_bytes(res.comm_bytes):>12}   parameter sync {_fmt_bytes(res.sync_bytes):>12}")
     print(f"  peak memory       {_fmt_bytes(max(res.peak_memory)):>12} (max over devices)"
           f"{'' if res.feasible else '   INFEASIBLE: ' + str(getattr(res, 'message', ''))}")
@@ -272,7 +279,7 @@ def cmd_simulate(args) -> int:
     machine = _machine(args)
     precision = _precision_arg(args)
     from .sim.simulate import Simulator
-    module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
+    module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
     graph = _trace(module, inputs)
     strategy = _strategy_arg(args.strategy, graph, machine, precision)
     sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer, precision=precision)
@@ -300,7 +307,7 @@ def cmd_search(args) -> int:
     machine = _machine(args)
     precision = _precision_arg(args)
     from .search import search
-    module, inputs, label = load_model(args.model, args.batch, machine.num_devices)
+    module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
     graph = _trace(module, inputs)
     init = None
     if args.init:
@@ -337,7 +344,8 @@ def cmd_search(args) -> int:
     if args.json:
         out = _sim_json(label, machine, "searched", result.result, graph.batch_size, precision)
         out["baselines"] = {k: {"iteration_time_ms": r.iteration_time * 1e3,
-                                "comm_bytes": r.comm_bytes, "sync_bytes": r.sync_bytes}
+                                "comm_bytes": r.comm_bytes, "sync_bytes": r.sync_bytes, "mfu": r.mfu,
+                                "tokens_per_s_per_device": r.tokens_per_s_per_device}
                             for k, r in result.baselines.items()}
         out["search_seconds"] = result.seconds
         out["evaluations"] = result.evaluations
@@ -348,11 +356,14 @@ def cmd_search(args) -> int:
     _print_sim(label, machine, "searched", result.result, graph.batch_size, precision)
     print(f"  search: {result.evaluations} evaluations in {result.seconds:.1f} s")
     base = result.baselines
-    print("\n  strategy          iteration ms   speedup   moved        sync")
+    tokens = result.result.tokens_per_s_per_device > 0  # token ids in: tokens/s per device and MFU too
+    print("\n  strategy          iteration ms   speedup   moved        sync"
+          + ("   tokens/s/dev     MFU" if tokens else ""))
     for k, r in list(base.items()) + [("searched", result.result)]:
         sp = base["data_parallel"].iteration_time / r.iteration_time
         print(f"  {k:<16} {r.iteration_time * 1e3:12.3f} {sp:8.2f}x   "
-              f"{_fmt_bytes(r.comm_bytes):>10} {_fmt_bytes(r.sync_bytes):>10}")
+              f"{_fmt_bytes(r.comm_bytes):>10} {_fmt_bytes(r.sync_bytes):>10}"
+              + (f" {r.tokens_per_s_per_device:14,.0f} {100 * r.mfu:6.1f}%" if tokens else ""))
     if args.out:
         print(f"\nplan written to {args.out} (flexflow simulate --strategy {args.out}, "
               f"or flexflow.Plan.from_json to run it with parallelize(plan=))")
@@ -360,6 +371,12 @@ def cmd_search(args) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+def _model_size_args(p) -> None:
+    p.add_argument("--size", help="zoo model size: paper, small; gpt2 124m, 350m, 774m, 1.5b; "
+                                  "llama 1b, 8b, 70b")
+    p.add_argument("--seq", type=int, help="tokens per sequence (gpt2, llama)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flexflow", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -368,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="op table and strategy-space size of a model")
     t.add_argument("model")
     t.add_argument("--batch", type=int)
+    _model_size_args(t)
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_trace)
 
@@ -381,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("model", nargs="?")
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     pr.add_argument("--batch", type=int)
+    _model_size_args(pr)
     pr.add_argument("--json", action="store_true")
     pr.add_argument("--comm", action="store_true", help="the same as `flexflow calibrate`")
     pr.add_argument("--nprocs", type=int, default=2)
@@ -392,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--machine", required=True, help="preset name or machine .json file")
         s.add_argument("--devices", type=int)
         s.add_argument("--batch", type=int)
+        _model_size_args(s)
         s.add_argument("--json", action="store_true")
         s.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd",
                        help="whose state counts in the memory per device")

@@ -17,7 +17,7 @@ def run(capsys, *argv):
 def test_models(capsys):
     code, out, _ = run(capsys, "models")
     assert code == 0 and out.split() == ["lenet", "alexnet", "inception_v3", "resnet101", "rnntc",
-                                         "rnnlm", "nmt", "transformer"]
+                                         "rnnlm", "nmt", "transformer", "gpt2", "llama"]
 
 
 def test_trace_table_and_summary(capsys):

@@ -205,6 +205,8 @@ class CostModel:
                  overhead: tuple[float, float] | None = None, fits: dict | None = None):
         self.machine = machine
         self.efficiency = dict(DEFAULT_EFFICIENCY)
+        # the device's published kernel efficiencies (hardware.specs.KERNEL_EFFICIENCY), if any
+        self.efficiency.update(getattr(getattr(machine, "spec", None), "efficiency", None) or {})
         if efficiency:
             self.efficiency.update(efficiency)
         self.profile = profile  # optional measured times, see flexflow.cost.profile
@@ -292,6 +294,8 @@ class CostModel:
             nf, nb = self.eager_ops(op, part)
             oh_f, oh_b = (nf + 1) * spec.launch_overhead_s, nb * spec.launch_overhead_s
         flops = partition_flops(op, part)
+        if op.rule == "attention" and op.attrs.get("is_causal"):
+            flops /= 2  # a fused causal kernel skips the masked half (its FLOPs still count whole)
         nbytes = partition_bytes(op, part)
         work = max(flops / (spec.flops(op.dtype) * eff), nbytes / bw)
         if flops == 0.0 and not op.params and RULES[op.rule].backward_factor(op) <= 1.0:

@@ -19,11 +19,17 @@ from pathlib import Path
 from typing import Iterable
 
 from ..settings import cache_dir
+from . import collectives as nccl
+from .collectives import CollectiveSpec, GroupShape
 from .specs import (
     _EDR_IB,
     _FDR_IB,
+    CLUSTER_SPECS,
     GPU_SPECS,
+    NCCL_FIGURES,
     NVLINK_BW_BPS,
+    NVSWITCH_LINK,
+    RAIL_LINK,
     Device,
     DeviceSpec,
     GiB,
@@ -31,6 +37,7 @@ from .specs import (
     LinkSpec,
     _bool,
     _check_keys,
+    _efficiency,
     _int,
     _is_num,
     _link,
@@ -98,6 +105,27 @@ def _cpu_preset() -> "Machine":
     return _cpu_default()
 
 
+def _today(name: str, kind: str, nodes: int) -> "Machine":
+    """A cluster of today: nodes of 8 GPUs on NVSwitch, one NIC per GPU (rails), collectives
+    costed as NCCL runs them with published nccl-tests figures (specs.NCCL_FIGURES)."""
+    return Machine(name, nodes, 8, CLUSTER_SPECS[kind], NVSWITCH_LINK[kind], RAIL_LINK[kind] if nodes > 1 else None,
+                   rails=True, collectives=CollectiveSpec(**NCCL_FIGURES[kind]))
+
+
+def _grown(m: "Machine", devices: int) -> "Machine":
+    """``m`` with ``devices`` devices in as many of its nodes as it takes."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"machine preset {m.name!r}: devices={devices!r} must be a positive integer")
+    nodes = math.ceil(devices / m.devices_per_node)
+    return dataclasses.replace(m, num_nodes=nodes, num_devices=devices,
+                               inter_node=m.inter_node or (RAIL_LINK[m.spec.kind] if nodes > 1 else None))
+
+
+# Presets whose devices=N is any count, in as many nodes as it takes (the paper's clusters
+# keep their sizes)
+_ELASTIC = ("h100-cluster", "h200-cluster", "a100-cluster")
+
+
 _PRESETS = {
     "p100-cluster": lambda: Machine("p100-cluster", 4, 4, GPU_SPECS["P100"],
                                     LinkSpec(NVLINK_BW_BPS["P100"], 5e-6, "nvlink"), _EDR_IB),
@@ -108,6 +136,12 @@ _PRESETS = {
     # a GPU sending to several peers at once is therefore modelled optimistically.
     "h200-node": lambda: Machine("h200-node", 1, 8, GPU_SPECS["H200"],
                                  LinkSpec(NVLINK_BW_BPS["H200"], 3e-6, "nvswitch")),
+    # DGX / HGX H100: 8 x H100 SXM 80 GB on NVSwitch; the clusters 8 such nodes unless
+    # devices=N, each GPU with its own 400 Gb/s NIC; A100 nodes with 200 Gb/s NICs
+    "h100-node": lambda: _today("h100-node", "H100", 1),
+    "h100-cluster": lambda: _today("h100-cluster", "H100", 8),
+    "h200-cluster": lambda: _today("h200-cluster", "H200", 8),
+    "a100-cluster": lambda: _today("a100-cluster", "A100", 8),
     "cpu": _cpu_preset,
 }
 
@@ -115,8 +149,10 @@ _PRESETS = {
 @dataclass(frozen=True, repr=False)
 class Machine:
     """Devices on nodes; one directed link per ordered device pair inside a node and an
-    outgoing + incoming NIC link per node. num_devices < nodes * devices_per_node keeps
-    the first devices (the last node is partial)."""
+    outgoing + incoming NIC link per node, or per device with ``rails`` (one NIC per GPU, as
+    in DGX / HGX nodes). num_devices < nodes * devices_per_node keeps the first devices (the
+    last node is partial).  ``collectives``: all-reduces and other collectives costed as NCCL
+    runs them (:mod:`flexflow.hardware.collectives`); None: a plain ring over the links."""
     name: str
     num_nodes: int
     devices_per_node: int
@@ -124,6 +160,8 @@ class Machine:
     intra_node: LinkSpec
     inter_node: LinkSpec | None = None
     num_devices: int | None = None  # None: every device of every node
+    rails: bool = False  # one NIC per device instead of one per node
+    collectives: CollectiveSpec | None = None  # NCCL's algorithms and bus bandwidths
     devices: tuple = field(init=False, compare=False)
     links: tuple = field(init=False, compare=False)
 
@@ -150,7 +188,11 @@ class Machine:
                 for b in ids:
                     if a != b:
                         intra[a, b] = add(f"{self.intra_node.kind} {a}->{b}", self.intra_node)
-        if nodes > 1:
+        if nodes > 1 and self.rails:  # keyed by device
+            for d in devices:
+                nic_out[d.id] = add(f"nic-out gpu{d.id}", self.inter_node)
+                nic_in[d.id] = add(f"nic-in gpu{d.id}", self.inter_node)
+        elif nodes > 1:  # keyed by node
             for node in range(nodes):
                 nic_out[node] = add(f"nic-out node{node}", self.inter_node)
                 nic_in[node] = add(f"nic-in node{node}", self.inter_node)
@@ -165,12 +207,15 @@ class Machine:
 
     @classmethod
     def preset(cls, name: str, devices: int | None = None) -> "Machine":
-        """A named cluster; devices=N keeps its first N devices (node-major)."""
+        """A named cluster; devices=N keeps its first N devices (node-major); for today's
+        clusters (h100-, h200-, a100-cluster) N is any count, in as many nodes as it takes."""
         if name not in _PRESETS:
             raise ValueError(f"unknown machine preset {name!r}; valid presets: {', '.join(_PRESETS)}")
         m = _PRESETS[name]()
         if devices is None:
             return m
+        if name in _ELASTIC:
+            return _grown(m, devices)
         if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= m.num_devices:
             raise ValueError(f"machine preset {name!r} has {m.num_devices} devices; "
                              f"devices={devices!r} must be an integer in 1..{m.num_devices}")
@@ -214,7 +259,9 @@ class Machine:
         if s == d:
             return ()
         ns, nd = self.devices[s].node, self.devices[d].node
-        return (self._intra[s, d],) if ns == nd else (self._nic_out[ns], self._nic_in[nd])
+        if ns == nd:
+            return (self._intra[s, d],)
+        return (self._nic_out[s], self._nic_in[d]) if self.rails else (self._nic_out[ns], self._nic_in[nd])
 
     def route_figures(self, src, dst) -> tuple[float, float] | None:
         """(sum of link latencies, slowest bandwidth) on the route src -> dst; None when
@@ -241,12 +288,28 @@ class Machine:
         return self._rings[ids]
 
     def allreduce_links(self, devices: Iterable) -> tuple[int, ...]:
-        """Link ids a ring all-reduce among these devices occupies."""
-        return tuple(sorted({i for hop in self._ring(devices) for i in hop}))
+        """Link ids a ring all-reduce among these devices occupies (with rails, every member's
+        NIC: NCCL spreads its channels over them)."""
+        links = {i for hop in self._ring(devices) for i in hop}
+        if self.rails and self.num_nodes > 1 and len({self.devices[self._id(d)].node for d in devices}) > 1:
+            for d in {self._id(d) for d in devices}:
+                links.update((self._nic_out[d], self._nic_in[d]))
+        return tuple(sorted(links))
+
+    def _group(self, devices: Iterable) -> GroupShape:
+        ids = {self._id(d) for d in devices}
+        per = {}
+        for i in ids:
+            per[self.devices[i].node] = per.get(self.devices[i].node, 0) + 1
+        return GroupShape(len(ids), len(per), max(per.values(), default=0), self.devices_per_node, self.rails)
 
     def allreduce_time_s(self, devices: Iterable, nbytes: float) -> float:
-        """Ring all-reduce of nbytes on each device: 2(n-1) steps, each moving nbytes/n over the
-        slowest link of the ring plus the largest hop latency."""
+        """All-reduce of nbytes on each device.  With ``collectives``: NCCL's fastest ring, tree
+        or NVLink-SHARP algorithm (:mod:`flexflow.hardware.collectives`).  Else a ring:
+        2(n-1) steps, each moving nbytes/n over the slowest link of the ring plus the largest
+        hop latency."""
+        if self.collectives is not None:
+            return nccl.allreduce_s(self.collectives, self._group(devices), nbytes)[1]
         hops = self._ring(devices)
         n = len(hops)
         if n <= 1 or nbytes <= 0:
@@ -256,7 +319,10 @@ class Machine:
         return 2 * (n - 1) * (lat + nbytes / n / bw)
 
     def allreduce_latency_s(self, devices: Iterable) -> float:
-        """The latency term of one ring all-reduce among these devices (2(n-1) hop latencies)."""
+        """The latency term of one all-reduce among these devices: NCCL's quickest for a tiny
+        message with ``collectives``, else 2(n-1) ring hop latencies."""
+        if self.collectives is not None:
+            return nccl.allreduce_latency_s(self.collectives, self._group(devices))
         hops = self._ring(devices)
         n = len(hops)
         if n <= 1:
@@ -267,6 +333,11 @@ class Machine:
         """Share of ring all-reduces that a gradient of nbytes takes when gradients travel in
         buckets of ``bucket_bytes`` (as the executor sends them): the bandwidth term in full,
         the per-step latency in proportion to the bucket share (at most one whole latency)."""
+        if self.collectives is not None:  # the bucket by the algorithm NCCL picks for its size
+            lat, full = nccl.allreduce_s(self.collectives, self._group(devices), bucket_bytes)
+            if full == 0.0 or nbytes <= 0:
+                return 0.0
+            return (full - lat) / bucket_bytes * nbytes + lat * min(1.0, nbytes / bucket_bytes)
         full = self.allreduce_time_s(devices, nbytes)
         if full == 0.0:
             return 0.0
@@ -274,6 +345,18 @@ class Machine:
         n = len(hops)
         lat = 2 * (n - 1) * max(sum(self.links[i].ar_latency_s for i in hop) for hop in hops)
         return full - lat + lat * min(1.0, nbytes / bucket_bytes)
+
+    def reduce_scatter_time_s(self, devices: Iterable, nbytes: float) -> float:
+        """Reduce-scatter of a buffer of nbytes on each device (each keeps 1/n, reduced): a ring
+        of n-1 steps; as an all-gather of the same buffer.  Without ``collectives``, half the
+        ring all-reduce (which is a reduce-scatter and an all-gather)."""
+        if self.collectives is not None:
+            return nccl.ring_collective_s(self.collectives, self._group(devices), nbytes)
+        return self.allreduce_time_s(devices, nbytes) / 2
+
+    def allgather_time_s(self, devices: Iterable, nbytes: float) -> float:
+        """All-gather into a buffer of nbytes on each device (each contributes 1/n)."""
+        return self.reduce_scatter_time_s(devices, nbytes)
 
     def allreduce_bytes_sent(self, devices: Iterable, nbytes: float) -> float:
         """Bytes all devices send in a ring all-reduce: 2(n-1)/n * nbytes each, 2(n-1)*nbytes in all."""
@@ -284,9 +367,14 @@ class Machine:
     def to_dict(self) -> dict:
         link = lambda ls: None if ls is None else {k: v for k, v in dataclasses.asdict(ls).items()
                                                    if v is not None}
-        return {"name": self.name, "nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
-                "num_devices": self.num_devices, "device": _spec_dict(self.spec),
-                "intra_node": link(self.intra_node), "inter_node": link(self.inter_node)}
+        d = {"name": self.name, "nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
+             "num_devices": self.num_devices, "device": _spec_dict(self.spec),
+             "intra_node": link(self.intra_node), "inter_node": link(self.inter_node)}
+        if self.rails:  # only when set: older descriptions and their fingerprints stay as they were
+            d["rails"] = True
+        if self.collectives is not None:
+            d["collectives"] = self.collectives.to_dict()
+        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -295,11 +383,11 @@ class Machine:
     def from_dict(cls, d) -> "Machine":
         """Build from a cluster description; ValueError names the bad key."""
         _check_keys(d, "", {"name", "nodes", "devices_per_node", "device", "intra_node"},
-                    {"num_devices", "inter_node", "comment", "measured"})
+                    {"num_devices", "inter_node", "comment", "measured", "rails", "collectives"})
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
                     {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s",
-                     "message_lag_s"})
+                     "message_lag_s", "efficiency"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -319,14 +407,21 @@ class Machine:
                           _num(dev, "sync_skew", "device.", zero_ok=True, default=0.0),
                           None if dev.get("output_sync_s") is None
                           else _num(dev, "output_sync_s", "device.", zero_ok=True),
-                          _num(dev, "message_lag_s", "device.", zero_ok=True, default=0.0))
+                          _num(dev, "message_lag_s", "device.", zero_ok=True, default=0.0),
+                          _efficiency(dev))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")
         n = None if d.get("num_devices") is None else _int(d, "num_devices")
         intra, inter = _link(d["intra_node"], "intra_node"), None if inter is None else _link(inter, "inter_node")
+        coll = d.get("collectives")
+        if coll is not None:
+            _check_keys(coll, "collectives.", {"ring_busbw_Bps", "nic_busbw_Bps"}, {"nvls_busbw_Bps"})
+            coll = CollectiveSpec(_num(coll, "ring_busbw_Bps", "collectives."),
+                                  _num(coll, "nic_busbw_Bps", "collectives."),
+                                  _num(coll, "nvls_busbw_Bps", "collectives.", zero_ok=True, default=0.0))
         try:
-            return cls(d["name"], nodes, dpn, spec, intra, inter, n)
+            return cls(d["name"], nodes, dpn, spec, intra, inter, n, _bool(d, "rails", ""), coll)
         except ValueError as e:
             raise ValueError(f"machine JSON: 'num_devices': {e}") from None
 
@@ -372,8 +467,16 @@ class Machine:
             lines.append(f"  all-reduce per ring step: {_si(a.allreduce_bandwidth_Bps)}B/s, "
                          f"{(a.allreduce_latency_s or 0.0) * 1e6:g} us")
         if e is not None:
-            lines.append(f"  inter-node {e.kind}: {_si(e.bandwidth_Bps)}B/s per node NIC direction, "
-                         f"{e.latency_s * 1e6:g} us")
+            lines.append(f"  inter-node {e.kind}: {_si(e.bandwidth_Bps)}B/s per {'GPU' if self.rails else 'node'} "
+                         f"NIC direction, {e.latency_s * 1e6:g} us")
+        c = self.collectives
+        if c is not None:
+            nvls = f", NVLink SHARP all-reduce {_si(c.nvls_busbw_Bps)}B/s" if c.nvls_busbw_Bps else ""
+            lines.append(f"  collectives as NCCL runs them (ring / tree): bus bandwidth {_si(c.ring_busbw_Bps)}B/s "
+                         f"in a node{nvls}, {_si(c.nic_busbw_Bps)}B/s per NIC")
+        if s.efficiency:
+            lines.append("  kernels reach " + ", ".join(f"{k} {v:.0%}" for k, v in sorted(s.efficiency.items()))
+                         + " of peak")
         if s.comm_on_cores:
             lines.append("  communication runs on the computing cores: a message or all-reduce holds its devices")
         if s.sync_skew:

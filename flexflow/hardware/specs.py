@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-__all__ = ['GiB', 'DeviceSpec', 'Device', 'LinkSpec', 'Link', 'GPU_SPECS', 'NVLINK_BW_BPS']
+__all__ = ['GiB', 'DeviceSpec', 'Device', 'LinkSpec', 'Link', 'GPU_SPECS', 'NVLINK_BW_BPS',  # noqa: RUF022
+           'KERNEL_EFFICIENCY', 'NCCL_FIGURES', 'CLUSTER_SPECS', 'NVSWITCH_LINK', 'RAIL_LINK']
 
 
 GiB = 2**30
@@ -48,9 +49,13 @@ class DeviceSpec:
     # devices; the consumer starts this long after; messages posted together overlap it
     # (calibrated; 0: the whole latency holds the devices)
     message_lag_s: float = 0.0
+    # Fraction of the peak FLOP/s that an op rule's kernels reach on this device, from
+    # published kernel measurements (KERNEL_EFFICIENCY); the cost model's defaults where empty
+    efficiency: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
+        object.__setattr__(self, "efficiency", {str(k): float(v) for k, v in dict(self.efficiency).items()})
         if "float32" not in self.peak_flops:
             raise ValueError(f"device spec {self.kind!r}: peak_flops needs a 'float32' entry")
 
@@ -125,10 +130,53 @@ _EDR_IB = LinkSpec(12.5e9, 5e-6, "infiniband")   # REF: 100 Gb/s EDR = 12.5 GB/s
 _FDR_IB = LinkSpec(7e9, 5e-6, "infiniband")      # REF: 56 Gb/s FDR = 7 GB/s per node NIC
 
 
+# Fraction of peak FLOP/s by op rule, from published kernel measurements at large sizes:
+# - matrix products (cuBLAS, bf16): 798 of 989 TFLOP/s on an H100 SXM at 8192^3 with
+#   PyTorch 2.7 (github.com/zzc0721/torch-performance-test-data issue 79), 790 of 990 on an
+#   H200 (REF, measured), 234 of 312 on an A100 at 4096^3 (same table, issue 108);
+# - fused attention (F.scaled_dot_product_attention runs FlashAttention-2): about 35% of an
+#   H100's peak (Shah et al. 2024, "FlashAttention-3", arXiv 2407.08608), 50-73% of an A100's
+#   forward and less backward (Dao 2023, "FlashAttention-2", arXiv 2307.08691): 0.6.
+# The cost model counts a causal attention's FLOPs whole but times the half its kernel runs.
+KERNEL_EFFICIENCY = {
+    "H100": {"linear": 0.8, "linear_t": 0.8, "matmul": 0.8, "attention": 0.35},
+    "H200": {"linear": 0.8, "linear_t": 0.8, "matmul": 0.8, "attention": 0.35},
+    "A100": {"linear": 0.75, "linear_t": 0.75, "matmul": 0.75, "attention": 0.6},
+}
+
+
+# Bus bandwidths (bytes/s) of published nccl-tests runs, for flexflow.hardware.collectives:
+# - H100 / H200 nodes (NVSwitch, NVLink 4): the ring reaches 370 GB/s, the line rate less
+#   NCCL's protocol overhead; all_reduce with NVLink SHARP peaks at about 480 GB/s on 8 GPUs
+#   (NVIDIA/nccl-tests issues 212 and 290; 475 GB/s on 8 H200s, issue 272);
+# - one ConnectX-7 NIC at NDR 400 Gb/s: 46-49 GB/s (NVIDIA/nccl-tests issues 290 and 267);
+# - A100 nodes (NVLink 3): NCCL's own model caps the bus bandwidth at 235 GB/s
+#   (src/graph/tuning.cc), the 230-250 GB/s measured (nccl-tests issue 100);
+# - one HDR 200 Gb/s NIC: 96 GB/s peak over 4 NICs, 24 each (NVIDIA/nccl-tests issue 119).
+NCCL_FIGURES = {
+    "H100": {"ring_busbw_Bps": 370e9, "nic_busbw_Bps": 48e9, "nvls_busbw_Bps": 480e9},
+    "H200": {"ring_busbw_Bps": 370e9, "nic_busbw_Bps": 48e9, "nvls_busbw_Bps": 475e9},
+    "A100": {"ring_busbw_Bps": 235e9, "nic_busbw_Bps": 24e9, "nvls_busbw_Bps": 0.0},
+}
+
+
+# The devices of today's cluster presets: the datasheet figures with the kernel efficiencies
+# (GPU_SPECS keeps the plain figures the older presets and detect() use).
+CLUSTER_SPECS = {k: dataclasses.replace(GPU_SPECS[k], efficiency=KERNEL_EFFICIENCY[k]) for k in KERNEL_EFFICIENCY}
+
+
+# Links of today's clusters: a point-to-point message over NVSwitch at NCCL's effective
+# NVLink rate (above), over the network at one NIC's (one rail per GPU)
+NVSWITCH_LINK = {k: LinkSpec(f["ring_busbw_Bps"], 3e-6, "nvswitch") for k, f in NCCL_FIGURES.items()}
+RAIL_LINK = {k: LinkSpec(f["nic_busbw_Bps"], 5e-6, "infiniband") for k, f in NCCL_FIGURES.items()}
+
+
 def _spec_dict(spec: DeviceSpec) -> dict:
-    """A device spec as JSON; ``comm_on_cores``, ``sync_skew``, ``output_sync_s`` and ``message_lag_s`` only
-    when set (descriptions without them, and their fingerprints, stay as they were)."""
+    """A device spec as JSON; ``comm_on_cores``, ``sync_skew``, ``output_sync_s``, ``message_lag_s`` and
+    ``efficiency`` only when set (descriptions without them, and their fingerprints, stay as they were)."""
     d = dataclasses.asdict(spec)
+    if not d["efficiency"]:
+        del d["efficiency"]
     if not d["comm_on_cores"]:
         del d["comm_on_cores"]
     if not d["sync_skew"]:
@@ -197,3 +245,14 @@ def _try(f, default):
         return f()
     except Exception:
         return default
+
+
+def _efficiency(dev: dict) -> dict:
+    """``device.efficiency`` of a machine JSON: op rule -> fraction of peak in (0, 1]."""
+    eff = dev.get("efficiency", {})
+    if not isinstance(eff, dict):
+        raise ValueError("machine JSON: 'device.efficiency' must be an object (op rule -> fraction of peak)")
+    for k in eff:
+        if _num(eff, k, "device.efficiency.") > 1:
+            raise ValueError(f"machine JSON: 'device.efficiency.{k}' must be at most 1, not {eff[k]!r}")
+    return eff

@@ -77,6 +77,9 @@ class SimResult:
     # (see ``mfu``); 0 where unknown
     model_flops: float = 0.0
     peak_flops: float = 0.0
+    # token ids one step reads, where the model's first input holds them (an integer tensor,
+    # batch by sequence); 0 otherwise
+    tokens: int = 0
     _trace: Callable | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -98,6 +101,14 @@ class SimResult:
         if self.iteration_time <= 0 or self.peak_flops <= 0:
             return 0.0
         return self.model_flops / (self.iteration_time * self.peak_flops)
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        """Tokens a second per device (``tokens / iteration_time / devices``); 0 where the
+        inputs are not token ids."""
+        if self.iteration_time <= 0 or not self.tokens or not self.peak_memory:
+            return 0.0
+        return self.tokens / self.iteration_time / len(self.peak_memory)
 
     def to_chrome_trace(self, path) -> None:
         """Write the timeline as Chrome / Perfetto trace JSON (ph "X" events in microseconds;
@@ -167,6 +178,7 @@ class Simulator:
         self._loss_latency_s = machine.allreduce_latency_s(range(ctx.D)) if out_sync is None or ctx.D < 2 \
             else float(out_sync)
         self._flops = _model_flops(ctx)
+        self._tokens = _tokens(graph)
         self._tg: TaskGraph | None = None
         self._sched: _Schedule | None = None
         self.stats = {"full": 0, "delta": 0, "same": 0, "resimulated_tasks": 0, "stopped": 0}
@@ -340,9 +352,20 @@ class Simulator:
             strategy_name=getattr(strategy, "name", ""),
             model_flops=self._flops[0],
             peak_flops=self._flops[1],
+            tokens=self._tokens,
         )
         res._trace = lambda: self.timeline(strategy)
         return res
+
+
+def _tokens(graph) -> int:
+    """Token ids per step: the elements of the graph's first input where it is an integer
+    tensor (token ids, batch first), else 0."""
+    first = next((op for op in graph.ops if op.kind == "input"), None)
+    dt = None if first is None else first.dtype
+    if dt is None or dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool" or not first.output_shape:
+        return 0
+    return int(np.prod(first.output_shape, dtype=np.int64))
 
 
 def _model_flops(ctx) -> tuple[float, float]:

@@ -9,8 +9,8 @@ import torch.nn as nn
 from torch.fx.node import map_aggregate
 
 from ..ir import InputRef, Op, ParamRef
-from .base import flatten
-from .classify import classify
+from .base import RULES, flatten
+from .classify import _opaque, classify
 from .nodes import (
     _TUPLE_MAKERS,
     _is_tensor,
@@ -26,6 +26,7 @@ __all__ = ["build_op", "index_attrs"]
 _MODULE_KINDS = {
     nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Linear: "linear", nn.Embedding: "embedding",
     nn.BatchNorm1d: "batch_norm", nn.BatchNorm2d: "batch_norm", nn.LayerNorm: "layer_norm",
+    nn.RMSNorm: "rms_norm",
     nn.LSTMCell: "lstm_cell", nn.MaxPool1d: "max_pool1d", nn.MaxPool2d: "max_pool2d",
     nn.AvgPool1d: "avg_pool1d", nn.AvgPool2d: "avg_pool2d",
     nn.AdaptiveAvgPool1d: "adaptive_avg_pool1d", nn.AdaptiveAvgPool2d: "adaptive_avg_pool2d",
@@ -90,8 +91,10 @@ class _Builder:
         op = Op(name=name, kind="getitem", rule="index", inputs=[src], output_shape=tuple(value.shape),
                 dtype=value.dtype, attrs=attrs, input_shapes=[shape], input_dtypes=[src_op.dtype],
                 everywhere=src_op.everywhere)
-        from .base import RULES
-        op.dims = [] if op.everywhere else RULES["index"].dims(op, None)
+        # the batch as the tracer takes it (the first tensor input's first axis): a piece of a
+        # batch-first tensor splits along samples like every other op
+        batch = next((o.output_shape[0] for o in self.ops if o.kind == "input" and o.output_shape), None)
+        op.dims = [] if op.everywhere else RULES["index"].dims(op, batch)
         self.ops.append(op)
         self.ops_by_name[name] = op
         return name
@@ -255,4 +258,18 @@ def _leaf_item(b: _Builder, node, by_node, src_op: Op, tree, i):
 
 
 def _classify(b: _Builder, name: str | None, module) -> Op:
-    return classify(b, name, module)
+    """The op of a node by its kind's rule; where the rule meets a pattern it does not
+    handle (it raises while reading the call, or the op it makes cannot say its parallel
+    dims), the op is opaque instead: a model never fails to trace for a rule's sake."""
+    n_ops = len(b.ops)
+    try:
+        op = classify(b, name, module)
+        if op.rule != "opaque":
+            RULES[op.rule].dims(op, op.output_shape[0] if op.output_shape else None)
+        return op
+    except Exception:  # noqa: BLE001 - any rule failure: the op runs whole (or split by samples)
+        del b.ops[n_ops:]  # index ops the failed attempt made for tuple pieces are made again
+        b.ops_by_name = {o.name: o for o in b.ops}
+        b.inputs, b.params = [], {}
+        at, kt = b.template()
+        return _opaque(b, name, module, at, kt)

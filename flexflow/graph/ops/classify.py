@@ -143,6 +143,17 @@ def classify(b, name, module) -> Op:
         attrs = {"whole_axes": tuple(range(len(b.value.shape) - k, len(b.value.shape)))}
         op = fn_op("layer_norm", "rowwise", attrs, {2: "weight", 3: "bias"})
         return op if op is not None else _opaque(b, name, module, at, kt)
+    if name == "rms_norm":  # nn.RMSNorm or F.rms_norm(x, normalized_shape, weight, eps)
+        shape = module.normalized_shape if module is not None else _get(av, kv, 1, "normalized_shape")
+        k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+        rank = len(b.value.shape)
+        if k > rank:
+            return _opaque(b, name, module, at, kt)
+        attrs = {"whole_axes": tuple(range(rank - k, rank))}
+        if module is not None:
+            return module_op("rms_norm", "rowwise", attrs)
+        op = fn_op("rms_norm", "rowwise", attrs, {2: "weight"})
+        return op if op is not None else _opaque(b, name, module, at, kt)
     if name in ("softmax", "log_softmax"):
         dim = module.dim if module is not None else _get(av, kv, 1, "dim")
         if dim is None or b.params:
@@ -203,16 +214,9 @@ def classify(b, name, module) -> Op:
     # -- structure ---------------------------------------------------------------
     if name in ("cat", "concat", "concatenate", "stack"):
         tensors = _get(at, kt, 0, "tensors")
-        if (isinstance(tensors, (list, tuple)) and all(isinstance(t, InputRef) for t in tensors)
-                and len(tensors) == len(x_in) and not b.params):
-            stack = name == "stack"
-            axis = _get(av, kv, 1, "dim", 0) % len(b.value.shape)
-            spans, off = [], 0
-            for i in x_in:
-                length = 1 if stack else b.ops_by_name[i].output_shape[axis]
-                spans.append((off, length))
-                off += length
-            return b.make(name, "concat", attrs={"axis": axis, "stack": stack, "spans": spans}, **mk)
+        attrs = _concat_attrs(b, name, tensors, av, kv, x_in)
+        if attrs is not None:
+            return b.make(name, "concat", attrs=attrs, **mk)
         return _opaque(b, name, module, at, kt)
     if name in ("flatten", "view", "reshape", "squeeze", "unsqueeze", "view_as", "reshape_as"):
         if len(x_in) >= 1 and not b.params and at and at[0] == InputRef(0):
@@ -285,6 +289,38 @@ def classify(b, name, module) -> Op:
             return op
         return b.make(name, "pointwise", attrs=attrs, **mk)
     return _opaque(b, name, module, at, kt)
+
+
+def _concat_attrs(b, name, tensors, av, kv, x_in) -> dict | None:
+    """attrs of a plain cat / stack of traced tensors, or None: inputs that are not all
+    traced, parameters, an axis outside the output, or inputs whose shapes do not line up
+    with the output along the other axes.  torch.cat also takes 1-d empty tensors beside
+    tensors of any rank (a key / value cache that starts empty): they get an empty span,
+    which no partition reads."""
+    if not (isinstance(tensors, (list, tuple)) and tensors and all(isinstance(t, InputRef) for t in tensors)
+            and len(tensors) == len(x_in) and not b.params):
+        return None
+    out = tuple(b.value.shape)
+    dim = _get(av, kv, 1, "dim", 0)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not out or not -len(out) <= dim < len(out):
+        return None
+    stack = name == "stack"
+    axis = dim % len(out)
+    spans, off = [], 0
+    rest = out[:axis] + out[axis + 1:]  # the other axes, which every input must match
+    for i in x_in:
+        shape = tuple(b.ops_by_name[i].output_shape)
+        if not stack and shape == (0,) and len(out) > 1:
+            spans.append((off, 0))
+            continue
+        if stack and shape != rest:
+            return None
+        if not stack and (len(shape) != len(out) or shape[:axis] + shape[axis + 1:] != rest):
+            return None
+        length = 1 if stack else shape[axis]
+        spans.append((off, length))
+        off += length
+    return {"axis": axis, "stack": stack, "spans": spans} if off == out[axis] else None
 
 
 def _functional_batch_norm(b, av, kv, at, kt, mk):

@@ -130,7 +130,7 @@ def _functional_params(b, op: Op, args, positions: dict[int, str], kwargs_names=
             if pos < len(args):
                 args[pos] = ParamRef(local)
             else:
-                op.kwargs[local] = ParamRef(local)
+                op.kwargs = {**op.kwargs, local: ParamRef(local)}  # fx's kwargs are immutable
     op.args = tuple(args)
 
 
