@@ -12,10 +12,17 @@ One process per GPU (or CPU rank) under torchrun, several nodes alike:
 
 The data is synthetic: each step's micro-batches are made from --seed and the
 step number, identical on every rank (every rank passes the same global batch;
-flexflow's strategy decides who computes what).  A checkpoint holds the full
-model state dict (loadable into the plain model), each rank's optimizer state
-(a rank's AdamW only holds that rank's shards), the scheduler, the step and
-the strategy, so a resumed run continues with the same losses.
+flexflow's strategy decides who computes what).  A checkpoint is a
+torch.distributed.checkpoint folder: the model and the AdamW state as sharded
+state dicts (each rank writes only the blocks it holds, nothing is gathered),
+the scheduler and the step; meta.json adds the strategy.  With the same number
+of processes a resumed run takes the checkpoint's strategy and continues with
+the same losses; with another number it runs --strategy (or searches), and
+each rank reads just the parts of the checkpoint its blocks need.  The model
+loads into the plain module too:
+
+    state = {"model": module.state_dict()}
+    torch.distributed.checkpoint.load(state, checkpoint_id="ckpt/step-000050")
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import flexflow as ff
 
@@ -51,7 +59,8 @@ def parse(argv=None):
     p.add_argument("--precision", default="32-true")
     p.add_argument("--seed", type=int, default=0, help="weights, data and dropout")
     p.add_argument("--nprocs", type=int, default=2, help="local processes when not under torchrun")
-    p.add_argument("--strategy", help="strategy JSON file (default: rank 0 searches)")
+    p.add_argument("--strategy", help="strategy JSON file (default: a resume with as many processes "
+                   "runs the checkpoint's; otherwise rank 0 searches)")
     p.add_argument("--budget", type=float, default=5.0, help="search seconds")
     p.add_argument("--ckpt-dir", help="checkpoint folder")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints (and one at the end)")
@@ -95,8 +104,9 @@ def lr_lambda(args):
 
 
 # -- checkpoints ------------------------------------------------------------------
-# ckpt-dir/step-000010/{model.pt, optim-rank0.pt, optim-rank1.pt, ..., meta.json}
-# ckpt-dir/latest names the newest complete one (written last, by rank 0).
+# ckpt-dir/step-000010/ is a torch.distributed.checkpoint folder (one file per rank,
+# .metadata) with meta.json; ckpt-dir/latest names the newest complete one (written
+# last, by rank 0).
 def latest(ckpt_dir: str) -> str | None:
     path = os.path.join(ckpt_dir, "latest")
     if not os.path.exists(path):
@@ -105,14 +115,17 @@ def latest(ckpt_dir: str) -> str | None:
         return os.path.join(ckpt_dir, f.read().strip())
 
 
+def state(par, opt, sched, step: int = 0) -> dict:
+    """What a checkpoint holds, as torch.distributed.checkpoint saves it and loads into it.
+    ``full=False``: sharded values, no gather (each rank writes and reads its own blocks)."""
+    return {"model": par.state_dict(full=False), "optim": par.optim_state_dict(opt),
+            "scheduler": sched.state_dict(), "step": step}
+
+
 def save(par, opt, sched, args, step: int, rank: int, world: int) -> None:
     folder = os.path.join(args.ckpt_dir, f"step-{step:06d}")
-    os.makedirs(folder, exist_ok=True)
-    model_state = par.state_dict()  # full tensors; collective, so every rank calls it
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-               os.path.join(folder, f"optim-rank{rank}.pt"))
+    dcp.save(state(par, opt, sched, step), checkpoint_id=folder)  # collective: every rank calls it
     if rank == 0:
-        torch.save(model_state, os.path.join(folder, "model.pt"))
         with open(os.path.join(folder, "meta.json"), "w") as f:
             json.dump({"step": step, "world_size": world, "model": args.model, "size": args.size,
                        "batch": args.batch, "steps": args.steps, "strategy": par.strategy.to_json()}, f)
@@ -124,22 +137,34 @@ def save(par, opt, sched, args, step: int, rank: int, world: int) -> None:
         os.replace(tmp, os.path.join(args.ckpt_dir, "latest"))
 
 
+def load(par, opt, sched, folder: str) -> int:
+    """Load a checkpoint (of any strategy and number of processes); its step."""
+    loaded = state(par, opt, sched)
+    dcp.load(loaded, checkpoint_id=folder)  # into this rank's shards and optimizer state
+    par.load_state_dict(loaded["model"])
+    par.load_optim_state_dict(opt, loaded["optim"])
+    sched.load_state_dict(loaded["scheduler"])
+    return int(loaded["step"])
+
+
 # -- training ----------------------------------------------------------------------
 def run(rank: int, args) -> list[float]:
     world = dist.get_world_size()
     module, example = ff.models.get(args.model, size=args.size, batch_size=args.batch, seed=args.seed)
     vocab, seq_len = module.input_specs(1)[0].high, example[0].shape[1]
 
-    # A resume runs the checkpoint's strategy (the optimizer state is per shard).
+    # A resume with as many processes runs the checkpoint's strategy (the same floats);
+    # with another number, --strategy or a search (the checkpoint reshards).
     folder = latest(args.ckpt_dir) if args.resume else None
-    strategy_json = None
+    strategy_json = meta = None
     if folder is not None:
         with open(os.path.join(folder, "meta.json")) as f:
             meta = json.load(f)
-        strategy_json = meta["strategy"]
-    elif args.strategy:
+    if args.strategy:
         with open(args.strategy) as f:
             strategy_json = f.read()
+    elif meta is not None and meta["world_size"] == world:
+        strategy_json = meta["strategy"]
     strategy = ff.Strategy.from_json(strategy_json, ff.trace(module, example)) if strategy_json else None
     par = ff.parallelize(module, None, example_inputs=example, strategy=strategy,
                          budget=args.budget, optimizer="adam")
@@ -148,13 +173,10 @@ def run(rank: int, args) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
     if folder is not None:
-        par.load_state_dict(torch.load(os.path.join(folder, "model.pt"), weights_only=True))
-        state = torch.load(os.path.join(folder, f"optim-rank{rank}.pt"), weights_only=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        start = meta["step"]
+        start = load(par, opt, sched, folder)
         if rank == 0:
-            print(f"resumed from {folder} at step {start}", flush=True)
+            print(f"resumed from {folder} at step {start} ({meta['world_size']} processes, "
+                  f"now {world})", flush=True)
             if meta["steps"] != args.steps:
                 print(f"note: --steps {args.steps}, the checkpoint's run had {meta['steps']}: "
                       f"the learning-rate schedule changes from here", flush=True)
@@ -197,17 +219,14 @@ def run(rank: int, args) -> list[float]:
     return losses
 
 
-def check_resume(args, world: int) -> None:
-    """Refuse, before starting any process, a resume that cannot continue exactly."""
+def check_resume(args) -> None:
+    """Refuse, before starting any process, a resume from a checkpoint of another
+    model or batch (another number of processes is fine: the checkpoint reshards)."""
     folder = latest(args.ckpt_dir) if args.resume else None
     if folder is None:
         return
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
-    if meta["world_size"] != world:
-        sys.exit(f"cannot resume {folder}: it was written by {meta['world_size']} processes, this run has "
-                 f"{world}; the optimizer state is per rank and the strategy is for "
-                 f"{meta['world_size']} devices, so resume with {meta['world_size']} processes")
     if (meta["model"], meta["size"], meta["batch"]) != (args.model, args.size, args.batch):
         sys.exit(f"cannot resume {folder}: it is {meta['model']}/{meta['size']} with --batch {meta['batch']}, "
                  f"this run is {args.model}/{args.size} with --batch {args.batch}")
@@ -216,7 +235,7 @@ def check_resume(args, world: int) -> None:
 def main(argv=None) -> None:
     args = parse(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        check_resume(args, int(os.environ["WORLD_SIZE"]))
+        check_resume(args)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -226,7 +245,7 @@ def main(argv=None) -> None:
         finally:
             dist.destroy_process_group()  # explicit: gloo may abort at interpreter exit otherwise
     else:  # spawn --nprocs local processes; ff.launch makes and destroys the process group
-        check_resume(args, args.nprocs)
+        check_resume(args)
         ff.launch(run, args.nprocs, args)
 
 

@@ -12,15 +12,19 @@ the gradient all-reduce of the backward passes inside it, as DDP's does.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 
 from ..strategy.strategy import Strategy
+from .checkpoint import (
+    load_module_state_dict,
+    load_optim_state_dict,
+    module_state_dict,
+    optim_state_dict,
+)
 from .execute import Runtime
 from .gradnorm import NormScope, global_norm, scale_grads_, shard_grad
-from .plan import tensor_of
 from .program import describe
 
 __all__ = ['ParallelModule']
@@ -150,30 +154,47 @@ class ParallelModule(nn.Module):
         self._module.train(mode)
         return self
 
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """Full tensors keyed like the original module's state_dict (collective)."""
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False, full: bool = True):
+        """The original module's state dict (its keys and full shapes; collective).
+
+        ``full=True``: full tensors, gathered now on every rank (for models whose
+        whole state fits a rank).  ``full=False``: nothing is gathered; each value
+        holds this rank's boxes of the tensor (views of its shards) and is gathered
+        only when read (collective: every rank reads the same values in order).
+        Either saves with ``torch.distributed.checkpoint`` as the same checkpoint,
+        each rank writing its own boxes once; ``full=False`` is the one to load it
+        into (each rank reads only the chunks covering its boxes, into its shards).
+        See :mod:`flexflow.runtime.checkpoint`."""
         if args:  # the deprecated positional form (destination, prefix, keep_vars)
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
-        fulls = self._runtime.full_tensors()
-        by_id = {id(tensor_of(self._module, q)): q for q in fulls}
-        out = OrderedDict() if destination is None else destination
-        for key, t in self._module.state_dict(keep_vars=True).items():
-            q = by_id.get(id(t))
-            value = fulls[q].reshape(t.shape) if q is not None else t.detach()
-            out[prefix + key] = value.clone()
-        return out
+        return module_state_dict(self._runtime, self._module, destination, prefix, full)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load full tensors (the original module's keys) and keep this rank's blocks."""
-        result = self._module.load_state_dict(state_dict, strict=strict)
-        self._runtime.load_from_module()
-        return result
+        """Load a state dict with the original module's keys (full tensors, or either
+        kind of :meth:`state_dict` of any strategy) and keep this rank's blocks."""
+        return load_module_state_dict(self._runtime, self._module, state_dict, strict)
 
     def extra_repr(self) -> str:
         rt = self._runtime
         return (f"strategy={rt.strategy.name!r}, rank={rt.rank}, devices={rt.ranks}, "
                 f"exchanges={rt.num_exchanges}")
+
+    # -- checkpoints of the optimizer (flexflow.runtime.checkpoint) --------------
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The state of ``optimizer`` (built over ``parameters()``) keyed by the
+        original module's parameter names, for ``torch.distributed.checkpoint``:
+        state tensors shaped like a shard are sharded values of the parameter's full
+        shape (this rank's boxes, views of the optimizer's tensors), so that a
+        checkpoint loads under another strategy or number of devices.  An optimizer
+        with no state yet gets it from a step with zero gradients and learning rate."""
+        return optim_state_dict(self._runtime, self._module, optimizer)
+
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Load into ``optimizer`` a state from :meth:`optim_state_dict` (filled by
+        ``torch.distributed.checkpoint.load``) or one with full tensors keyed by
+        parameter name."""
+        load_optim_state_dict(self._runtime, self._module, optimizer, state_dict)
 
 
 class _NoShard(nn.Parameter):
