@@ -12,6 +12,14 @@ time of a training step with the executor.  Reports each case's relative
 error and Kendall's tau of the ranking per model, and plots predicted
 against measured.
 
+Then the plan ``parallelize()`` chooses, both ways: inside the same launch,
+``parallelize`` (no strategy) is called twice on each model; each call searches
+(on the corrected cost model), measures its finalists and keeps the fastest; the
+first call's measurements correct the cost model for the second.  The second
+call's *measured choice* and its *simulator's choice* are timed in the same
+rounds as the other strategies, and their predictions reported before the
+correction (the profiled cost model alone) and after (the plan's own).
+
     python benchmarks/sim_accuracy.py [--quick]
 """
 from __future__ import annotations
@@ -84,9 +92,12 @@ def near_ties(rows, within=0.05) -> list:
             if abs(a["measured_ms"] - b["measured_ms"]) <= within * min(a["measured_ms"], b["measured_ms"])]
 
 
-def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
+def _measure(rank, name, batch, strategies_json, warmup, steps, rounds, plan_budget=None):
     """Run in each process: per strategy, the median step time over interleaved
-    rounds of ``steps`` steps (a step counts at the slower rank), and the spread."""
+    rounds of ``steps`` steps (a step counts at the slower rank), and the spread.
+    With ``plan_budget``: first ``parallelize`` twice with no strategy (see the module's
+    docstring); its second call's measured choice (``parallelize``) and simulator's choice
+    (``parallelize_simulator``) are timed with the rest, and their plans returned."""
     import torch
 
     import flexflow as ff
@@ -95,14 +106,24 @@ def _measure(rank, name, batch, strategies_json, warmup, steps, rounds):
     torch.set_num_threads(1)
     module, inputs = build(name, batch)
     graph = ff.trace(module, inputs)
-    runs = {}
+    runs, plans = {}, {}
+    if plan_budget is not None:
+        first = ff.parallelize(module, NPROCS, example_inputs=inputs, budget=plan_budget)
+        chosen = ff.parallelize(module, NPROCS, example_inputs=inputs, budget=plan_budget)
+        plans = {"first": first.plan.to_json(), "second": chosen.plan.to_json()}
+        simulator = next(f for f in chosen.plan.finalists if f.name == chosen.plan.simulator_choice) \
+            if chosen.plan.finalists else None
+        runs["parallelize"] = (chosen, torch.optim.SGD(chosen.parameters(), lr=1e-3))
+        if simulator is not None:
+            strategies_json = {**strategies_json, "parallelize_simulator": simulator.strategy_json}
     for label, text in strategies_json.items():
         model = ff.parallelize(module, NPROCS, example_inputs=inputs, strategy=ff.Strategy.from_json(text, graph))
         runs[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     # a round: `steps` steps back to back, as in training, between barriers (the calibration
     # chains are timed the same way)
     times = timed_rounds(runs, inputs, rounds, steps, warmup)
-    return {k: {"median_s": statistics.median(v), "spread_s": [min(v), max(v)]} for k, v in times.items()}
+    out = {k: {"median_s": statistics.median(v), "spread_s": [min(v), max(v)]} for k, v in times.items()}
+    return {"times": out, "plans": plans}
 
 
 def main(argv=None) -> int:
@@ -130,7 +151,7 @@ def main(argv=None) -> int:
     machine = ff.Machine.preset("cpu", devices=NPROCS)
     warmup, steps, rounds = (2, 2, 2) if a.quick else (3, 4, a.rounds)
     from real_speedup import build
-    rows, draws = [], {}
+    rows, draws, both = [], {}, []
     for name, batch in CASES:
         module, inputs = build(name, batch)
         graph = ff.trace(module, inputs)
@@ -161,9 +182,11 @@ def main(argv=None) -> int:
         sim = Simulator(graph, machine, cost)
         predicted = {k: sim.simulate(s, incremental=False).iteration_time for k, s in strategies.items()}
         analytic = {k: analytic_sim.simulate(s, incremental=False).iteration_time for k, s in strategies.items()}
-        got = ff.launch(_measure, NPROCS, name, batch, {k: s.to_json() for k, s in strategies.items()},
-                        warmup, steps, rounds)[0]
+        launched = ff.launch(_measure, NPROCS, name, batch, {k: s.to_json() for k, s in strategies.items()},
+                             warmup, steps, rounds, 3.0 if a.quick else 10.0)[0]
+        got, plans = launched["times"], launched["plans"]
         measured = {k: v["median_s"] for k, v in got.items()}
+        both.append(_both_ways(name, batch, graph, machine, plans, got))
         for k in strategies:
             err = (predicted[k] - measured[k]) / measured[k]
             rows.append({"model": name, "batch": batch, "strategy": k, "predicted_ms": predicted[k] * 1e3,
@@ -199,7 +222,8 @@ def main(argv=None) -> int:
                "seconds": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"rows": rows, "mixed_rows": mixed_rows, "summary": summary, "random_draws": draws}, f, indent=1, default=str)
+        json.dump({"rows": rows, "mixed_rows": mixed_rows, "summary": summary, "random_draws": draws,
+                   "chosen_both_ways": both}, f, indent=1, default=str)
     _plot(all_rows, a.out)
     cmd = "python benchmarks/sim_accuracy.py" + (" --quick" if a.quick else "") + \
         (f" --rounds {a.rounds}" if a.rounds != ROUNDS and not a.quick else "")
@@ -243,6 +267,7 @@ def main(argv=None) -> int:
         lines += ["", f"Median |error| {mx['median_abs_error'] * 100:.1f}%, largest "
                   f"{mx['max_abs_error'] * 100:.1f}%; Kendall's tau over all 12 strategies: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in mx["kendall_tau_with_the_rest"].items()) + ".", ""]
+    lines += _both_ways_lines(both)
     lines += [
               "## What the simulator models on this host", "",
               "- gloo's threads share the 2 cores that compute (`comm_on_cores` in the calibrated machine): a "
@@ -295,6 +320,57 @@ def main(argv=None) -> int:
         f.write("\n".join(lines))
     print("\n".join(lines[-6:]))
     return 0
+
+
+def _both_ways(name, batch, graph, machine, plans, got) -> dict:
+    """The plan parallelize() chose on a model, both ways: its measured choice and the
+    simulator's, each predicted before the correction (the host's profiled cost model
+    alone) and after (the plan's prediction), and measured in the rounds."""
+    import flexflow as ff
+    from flexflow.cost.model import CostModel
+    first, second = ff.Plan.from_json(plans["first"]), ff.Plan.from_json(plans["second"])
+    sim = ff.Simulator(graph, machine, CostModel.for_machine(machine))
+
+    def row(label, finalist):
+        s = ff.Strategy.from_json(finalist.strategy_json, graph)
+        return {"strategy": finalist.name, "measured_ms": got[label]["median_s"] * 1e3,
+                "spread_ms": [x * 1e3 for x in got[label]["spread_s"]],
+                "before_ms": sim.simulate(ff.Strategy(graph, dict(s.items()))).iteration_time * 1e3,
+                "after_ms": finalist.predicted_s * 1e3,
+                "finalist_measured_ms": None if finalist.measured_s is None else finalist.measured_s * 1e3}
+    pick = {f.name: f for f in second.finalists}
+    out = {"model": name, "batch": batch, "measured_choice": row("parallelize", pick[second.chosen]),
+           "first_line": first.finalists_line(), "second_line": second.finalists_line(),
+           "corrections": second.corrections}
+    if "parallelize_simulator" in got:
+        out["simulator_choice"] = row("parallelize_simulator", pick[second.simulator_choice])
+    return out
+
+
+def _both_ways_lines(both) -> list:
+    def err(r, key):
+        return (r[key] - r["measured_ms"]) / r["measured_ms"] * 100
+    lines = ["## The plan parallelize() chooses, both ways", "",
+             ("Each model: `parallelize()` called twice; the second call searched on the cost model the first "
+              "call's finalists corrected, measured its own finalists and kept the fastest (*measured choice*); "
+              "the *simulator's choice* is what the search chose. Both timed in the rounds above. *before*: "
+              "the profiled cost model's prediction; *after*: the plan's (corrected) prediction."), "",
+             "| model | choice | strategy | measured ms (spread) | before ms | error | after ms | error |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for b in both:
+        for way in ("measured_choice", "simulator_choice"):
+            r = b.get(way)
+            if r is None:
+                continue
+            lo, hi = r["spread_ms"]
+            label = "measured choice" if way == "measured_choice" else "simulator's choice"
+            lines.append(f"| {b['model']} | {label} | {r['strategy']} | {r['measured_ms']:.2f} "
+                         f"({lo:.2f}-{hi:.2f}) | {r['before_ms']:.2f} | {err(r, 'before_ms'):+.1f}% | "
+                         f"{r['after_ms']:.2f} | {err(r, 'after_ms'):+.1f}% |")
+    lines += ["", "What each call's finalists measured (first call, then second):", ""]
+    for b in both:
+        lines += [f"- {b['model']}: {b['first_line']}", f"- {b['model']}: {b['second_line']}"]
+    return lines + [""]
 
 
 def _plot(rows, out) -> None:

@@ -30,11 +30,20 @@ import torch.nn as nn
 
 from . import settings
 from .graph.trace import trace
-from .plan import MIN_PREDICTED_GAIN, Plan, choose
 from .hardware.machine import Machine
+from .plan import (
+    FINALIST_SHARE,
+    FINALIST_STEPS,
+    FINALISTS,
+    MIN_PREDICTED_GAIN,
+    Plan,
+    check_finalists,
+    measure_plan,
+    searched_plan,
+)
 from .runtime.execute import Runtime
 from .runtime.module import ParallelModule
-from .runtime.plan import BUCKET_CAP_MB, REDUCE_OUTPUTS
+from .runtime.plan import BUCKET_CAP_MB, REDUCE_OUTPUTS, RUN_PRECISIONS, _precision_error
 from .runtime.program import check_programs
 from .sim.memory import optimizer_state_copies
 from .strategy.config import StrategyError
@@ -138,27 +147,36 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
 
 
 def _search_plan(graph, machine, budget: float, optimizer: str = "sgd", device=None,
-                 reduce_outputs: str = "with_gradients", min_gain: float = MIN_PREDICTED_GAIN) -> Plan:
+                 reduce_outputs: str = "with_gradients", min_gain: float = MIN_PREDICTED_GAIN,
+                 finalists: int = FINALISTS, cost_model=None, precision: str = "32-true") -> Plan:
     """Rank 0's plan: the searched strategy, unless it is predicted less than ``min_gain``
-    faster than data parallelism (then data parallelism).
+    faster than data parallelism (then data parallelism), with the finalists to measure.
     With ``device``, the ops are profiled there first (:func:`host_cost_model`,
-    within ``PROFILE_SHARE`` of the budget) and the search gets the rest;
-    without, the search uses whatever profile of the machine is cached."""
+    within ``PROFILE_SHARE`` of the budget) and the search gets the rest, less the share
+    kept for measuring the finalists (``FINALIST_SHARE``, when there are any); without,
+    the search uses whatever profile of the machine is cached.  The host's cost model
+    searches under the corrections its finalists taught it before
+    (:mod:`flexflow.cost.corrections`) and learns from these (``_learn``); a given
+    ``cost_model`` neither."""
+    from .cost.corrections import load_corrections
     from .cost.model import CostModel
-    from .search import (
-        search,  # the module's function (flexflow.search is the function too)
-    )
     t0 = time.perf_counter()
-    if device is None:
+    if cost_model is not None:
+        cm = cost_model
+    elif device is None:
         cm = CostModel.for_machine(machine)
     else:
         cm, _ = host_cost_model(graph, machine, device, budget * PROFILE_SHARE)
-    left = max(budget - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE))
-    found = search(graph, machine, budget=left, optimizer=optimizer, cost_model=cm, reduce_outputs=reduce_outputs,
-                   shard=False, recompute=False)  # the executor runs neither yet
-    strategy, predicted, chosen = choose(found, min_gain)
-    return Plan(strategy, predicted, dict(found.baselines), machine, graph.fingerprint(), chosen, optimizer,
-                "32-true", min_gain, time.perf_counter() - t0, found.evaluations)
+    keep = FINALIST_SHARE if finalists > 1 else 0.0
+    left = max(budget * (1 - keep) - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE - keep))
+    used = load_corrections(machine, graph.fingerprint()) if cost_model is None else None
+    # shard levels and recomputation are levers where data parallelism does not fit (search())
+    found = searched_plan(graph, machine, cost_model=cm, corrections=used, budget=left, optimizer=optimizer,
+                          reduce_outputs=reduce_outputs, min_gain=min_gain, shard=True, finalists=finalists,
+                          precision=precision, t0=t0)
+    if cost_model is None:
+        found._learn = (machine, cm, used)
+    return found
 
 
 def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None):
@@ -195,11 +213,6 @@ def _as_strategy(strategy, graph, machine, ranks, machine_given: bool) -> Strate
         strategy = Strategy.from_json(strategy, graph)
     else:
         raise TypeError(f"strategy must be a flexflow Strategy or its JSON text, got {type(strategy).__name__}")
-    staged = next((op for op in graph.compute_ops if strategy[op.name].recompute), None)
-    if staged is not None:
-        raise StrategyError(f"strategy {strategy.name!r} gives {staged.describe()} the config "
-                            f"{strategy[staged.name]}: the executor does not run "
-                            "recomputation yet (the simulator plans it)")
     used = strategy.devices_used()
     if used and max(used) >= len(ranks):
         bad = next(op for op in graph.compute_ops if max(strategy[op.name].devices) >= len(ranks))
@@ -256,7 +269,9 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                 bucket_cap_mb: float = BUCKET_CAP_MB, broadcast_state: bool = True,
                 optimizer: str = "sgd", reduce_outputs: str = "with_gradients",
                 profile: bool = True, plan: Plan | str | None = None,
-                min_gain: float = MIN_PREDICTED_GAIN) -> ParallelModule:
+                min_gain: float = MIN_PREDICTED_GAIN, finalists: int = FINALISTS,
+                finalist_steps: int = FINALIST_STEPS, cost_model=None,
+                precision: str = "32-true") -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
 
     Collective: every rank of the default process group calls it with the
@@ -293,8 +308,18 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     it is (no search); refused, with the reason, when it was made for another graph, another
     number of devices or another kind of device.  ``min_gain``: the searched strategy
     replaces data parallelism only when predicted at least this much faster.
+    ``finalists``: after the search, its best few distinct strategies (this many, data
+    parallelism always among them) each run ``finalist_steps`` timed training steps on
+    the ranks (forward, backward, sync, optimizer step; the module's parameters, buffers
+    and random state are left as they were), and the fastest measured is the one
+    returned; a finalist that fails is dropped with a warning.  Measuring takes part of
+    ``budget`` (a quarter is kept for it), and what the finalists measured corrects the
+    host's cost model for the next search (:mod:`flexflow.cost.corrections`).  0 or 1:
+    the simulator's choice, unmeasured.  ``cost_model``: the cost model rank 0 searches
+    with (default: this host's, profiled and corrected).
     The returned module's ``plan`` is the plan it runs (searched or given; None for a
-    ``strategy``).
+    ``strategy``): with the finalists' predicted and measured step times
+    (``plan.finalists``, ``plan.summary()``), and rank 0 writes them in one line.
     """
     if plan is not None and strategy is not None:
         raise ValueError("parallelize() takes a plan or a strategy, not both")
@@ -305,6 +330,9 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     if example_inputs is None and example_kwargs:
         example_inputs = ()
     optimizer_state_copies(optimizer)  # a clear error for an unknown kind, on every rank
+    check_finalists(finalists, finalist_steps)
+    if precision not in RUN_PRECISIONS:
+        raise ValueError(_precision_error(precision))
     if reduce_outputs not in REDUCE_OUTPUTS:
         raise ValueError(f"reduce_outputs must be one of {', '.join(map(repr, REDUCE_OUTPUTS))}, "
                          f"got {reduce_outputs!r}")
@@ -332,6 +360,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     # Local checks first; every error is shared through the collectives below, so a
     # rank that refuses never leaves the others waiting in a collective.
     error, graph, ranks, chosen = None, None, None, None
+    measure_s = None  # seconds left to measure the finalists of a search
     machine_given = machine is not None
     try:
         ranks = _resolve_devices(devices, world)
@@ -351,34 +380,36 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     if plan is not None and error is None:
         try:
             plan.check_devices(machine, len(ranks))
-            if plan.precision != "32-true":
-                raise StrategyError(f"plan was made for precision {plan.precision!r}; the executor runs the "
-                                    "module's own dtypes (32-true) for now")
+            if plan.precision != precision:
+                raise StrategyError(f"plan was made for precision {plan.precision!r}, not {precision!r} "
+                                    "(parallelize's precision=)")
             strategy = plan.bind(graph)
         except StrategyError as e:
             error = str(e)
     elif strategy is None:
-        payload = [None]
+        payload, found = [None], None
         if rank == 0:
             try:
                 if error is not None:
                     raise RuntimeError(error)
                 if len(ranks) > 1:
                     found = _search_plan(graph, machine, budget, optimizer, device if profile else None,
-                                         reduce_outputs, min_gain)
-                    payload = [("plan", found.to_json())]
+                                         reduce_outputs, min_gain, finalists, cost_model, precision)
+                    payload = [("plan", found.to_json(),
+                                max(budget - found.search_seconds, budget * FINALIST_SHARE))]
                 else:
-                    payload = [("ok", Strategy.data_parallel(graph, machine).to_json())]
+                    payload = [("ok", Strategy.data_parallel(graph, machine).to_json(), None)]
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
-                payload = [("error", f"rank 0 could not choose a strategy: {type(e).__name__}: {e}")]
+                payload = [("error", f"rank 0 could not choose a strategy: {type(e).__name__}: {e}", None)]
         if distributed:
             dist.broadcast_object_list(payload, src=0)
-        kind, text = payload[0]
+        kind, text, left_s = payload[0]
         if kind == "error":
             error = error or text
         elif kind == "plan":
-            plan = Plan.from_json(text)
+            plan = found if found is not None else Plan.from_json(text)
             strategy = plan.strategy_json
+            measure_s = left_s if len(plan.finalists) > 1 else None
         else:
             strategy = text
     if error is None:
@@ -390,8 +421,13 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
 
     if distributed and world > 1 and broadcast_state:
         _broadcast_state(module, device)
+    if measure_s is not None:  # every rank: the finalists run, the fastest measured is kept
+        plan = measure_plan(plan, graph, module, example_inputs, example_kwargs, ranks, device=device,
+                            timeout_s=timeout_s, steps=finalist_steps, seconds=measure_s,
+                            bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
+        chosen = _as_strategy(plan.strategy, graph, machine, ranks, machine_given)
     runtime = Runtime(graph, chosen, module, ranks, device=device, timeout_s=timeout_s,
-                      bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
+                      bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision)
     check_programs(runtime)  # a mismatch between ranks is an error now, not a hang at the first step
     par = ParallelModule(module, runtime)
     if plan is not None and plan.strategy is None:

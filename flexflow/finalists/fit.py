@@ -1,0 +1,98 @@
+"""What the finalists measured, turned into corrections of the simulator's inputs
+(:class:`flexflow.cost.corrections.Corrections`): the factors on the graph's op times, on
+its messages and on its collectives under which the simulator predicts the measured steps
+best.
+
+The fit is a regularised least squares on log step times, relative to the corrections the
+search used: minimise ``sum_i (log predicted_i - log measured_i)^2 + REG * |x|^2`` over
+``x`` = the logs of the three further factors (compute, message, sync), by a few
+Gauss-Newton steps with the Jacobian taken by finite differences (each point a simulation
+of every measured finalist; a factor at the edge of its range is differentiated inwards).
+The regularisation keeps a factor the finalists say nothing about (no message in any of
+them) where it was.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ..cost.corrections import FACTOR_RANGE, Corrections
+from ..sim.simulate import Simulator
+from ..strategy.strategy import Strategy
+from .select import Finalist
+
+__all__ = ["REG", "fit_corrections"]
+
+REG = 0.01  # weight of |x|^2 (x: log factors) against the squared log errors
+_H = 0.25  # finite-difference step, in log factor
+_ITERATIONS = 3
+
+
+def _free(strategy: Strategy) -> Strategy:
+    """The strategy's configs with no machine recorded (it is simulated on corrected copies)."""
+    return Strategy(strategy.graph, dict(strategy.items()), name=strategy.name)
+
+
+def fit_corrections(graph, machine, cost_model, current: Corrections, finalists: list[Finalist], *,
+                    optimizer: str = "sgd", reduce_outputs: str = "with_gradients", precision: str = "32-true",
+                    seconds: float = math.inf) -> tuple[Corrections, dict]:
+    """(corrections, name -> refitted prediction in seconds) for the measured ``finalists``
+    of ``graph`` (their strategies bound to it) on ``machine``.  ``cost_model`` and
+    ``machine`` are the host's own, uncorrected; ``current``: the corrections the search
+    used, which the result multiplies further.  Stops after ``seconds`` once one step is
+    taken.  With no measured finalist: ``current`` and no predictions."""
+    t0 = time.perf_counter()
+    done = [f for f in finalists if f.measured_s is not None and f.measured_s > 0]
+    if not done:
+        return current, {}
+    strategies = [_free(f.bind(graph)) for f in done]
+    target = np.log([f.measured_s for f in done])
+    lo, hi = (math.log(b) for b in FACTOR_RANGE)
+
+    def corrections(x) -> Corrections:
+        return current.scaled(math.exp(x[0]), math.exp(x[1]), math.exp(x[2]))
+
+    def predict(x) -> np.ndarray:
+        c = corrections(x)
+        sim = Simulator(graph, c.machine(machine), c.cost_model(cost_model), optimizer=optimizer,
+                        reduce_outputs=reduce_outputs, precision=precision)
+        return np.array([sim.simulate(s, incremental=False).iteration_time for s in strategies])
+
+    def loss(p, x) -> float:
+        return float(((np.log(p) - target) ** 2).sum() + REG * (x ** 2).sum())
+
+    x = np.zeros(3)
+    p = predict(x)
+    best = loss(p, x)
+    for it in range(_ITERATIONS):
+        if it and time.perf_counter() - t0 > seconds:
+            break
+        r = np.log(p) - target
+        jac = np.empty((len(done), 3))
+        now = corrections(x).factors()
+        for j, key in enumerate(("compute", "message", "sync")):
+            h = -_H if now[key] * math.exp(_H) > FACTOR_RANGE[1] else _H  # inwards at the top edge
+            e = np.zeros(3)
+            e[j] = h
+            jac[:, j] = (np.log(predict(x + e)) - np.log(p)) / h
+        step = np.linalg.solve(jac.T @ jac + REG * np.eye(3), -(jac.T @ r + REG * x))
+        for _ in range(3):  # the step, or shorter ones while it does not help
+            cand = np.clip(x + step, lo, hi)
+            q = predict(cand)
+            value = loss(q, cand)
+            if value < best:
+                x, p, best = cand, q, value
+                break
+            step = step / 2
+        else:
+            break
+    out = corrections(x)
+    refit = {f.name: float(t) for f, t in zip(done, p)}
+    out.samples = current.samples + len(done)
+    out.history = list(current.history) + [{
+        "graph": graph.fingerprint(),
+        "finalists": [[f.name, f.predicted_s, f.measured_s, refit[f.name]] for f in done],
+        "factors": {"compute": math.exp(x[0]), "message": math.exp(x[1]), "sync": math.exp(x[2])}}]
+    return out, refit
