@@ -230,7 +230,10 @@ def test_search_fits_by_recompute_or_shard_where_data_parallelism_does_not(trans
     lv = Levers(space, sim.ctx, shard=False, recompute=True)
     dp = Strategy.data_parallel(g, m)
     peak = lambda s: max(sim.simulate(s, incremental=False).peak_memory)
-    all_rc = lv.apply(dp, lv.recompute, lambda h, c: c.with_recompute())[0]
+    # the linear layers recomputed (a chain of ops recomputed one by one saves less: each op's
+    # checkpoint holds its inputs)
+    linears = [gi for gi in lv.recompute if g.op(space.reps[gi]).kind == "linear"]
+    all_rc = lv.apply(dp, linears, lambda h, c: c.with_recompute())[0]
     p_dp, p_rc, p_fsdp = peak(dp), peak(all_rc), peak(Strategy.fsdp(g, m))
     assert p_rc < p_fsdp < p_dp
     # recomputation alone fits, sharding alone does not
@@ -241,7 +244,8 @@ def test_search_fits_by_recompute_or_shard_where_data_parallelism_does_not(trans
         assert not any(b.feasible for b in r.baselines.values())
         used = [r.strategy[op.name] for op in g.compute_ops]
         assert any(c.recompute for c in used)
-        assert r.result.iteration_time < sim.simulate(all_rc, incremental=False).iteration_time  # chosen, not all
+        picked = {op.name for op in g.compute_ops if r.strategy[op.name].recompute}
+        assert picked != {space.reps[gi] for gi in lv.recompute}  # chosen, not every lever at once
         if kw:
             assert not any(c.shard for c in used)
     # sharding alone fits

@@ -63,7 +63,7 @@ from .shardplan import Slice, group_units, plan_units, shard_levels, slice_of
 __all__ = ["Plan", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB", "REDUCE_OUTPUTS"]
 
 BUCKET_CAP_MB = GRAD_BUCKET_BYTES / 2**20  # shared with the simulator's sync model
-SHARD_UNIT_MB = 4.0  # sharded regions gathered (and reduce-scattered) together, up to this size
+SHARD_UNIT_MB = 1.0  # sharded regions gathered (and reduce-scattered) together, up to this size
 REDUCE_OUTPUTS = ("eager", "with_gradients")
 
 

@@ -29,7 +29,7 @@ from .gloo import batched_gloo_loops
 
 __all__ = ["Gathering"]
 
-PREFETCH = 2  # units whose gathers are in flight ahead of the forward
+PREFETCH = 1  # units whose gathers are in flight ahead of the forward
 
 
 class Gathering:
@@ -75,9 +75,24 @@ class Gathering:
             for q, off in zip(u.quals, u.offsets):
                 flat = self.params[q].detach()
                 send[off:off + flat.numel()] = flat
-        recv = torch.empty(len(u.key) * u.chunk, dtype=q0.dtype, device=self.device)
+        n = len(u.key)
+        if len(u.quals) == 1 and u.chunk * n == q0.numel():  # straight into the region's own storage
+            recv = self._alias(q0)
+        else:
+            recv = torch.empty(n * u.chunk, dtype=q0.dtype, device=self.device)
         work = dist.all_gather_single(recv, send, group=self.gather_groups[u.key], async_op=True)
         self._inflight[ui] = (work, recv, send, [self.params[q]._version for q in u.quals])
+
+    @staticmethod
+    def _alias(full: torch.Tensor) -> torch.Tensor:
+        """A flat tensor on ``full``'s storage (restored to its size where freed) with a
+        version counter of its own: writing it is no in-place change autograd sees."""
+        storage = full.untyped_storage()
+        need = (full.storage_offset() + full.numel()) * full.element_size()
+        if storage.nbytes() < need:
+            storage.resize_(need)
+        alias = torch.empty(0, dtype=full.dtype, device=full.device)
+        return alias.set_(storage, full.storage_offset(), (full.numel(),))
 
     def _finish_gather(self, ui: int) -> None:
         """Wait for unit ``ui``'s gather and write the full regions (storage restored
@@ -89,13 +104,8 @@ class Gathering:
         with torch.no_grad():
             for q, off, version in zip(u.quals, u.offsets, versions):
                 full, sl = self.full[q], self.slices[q]
-                storage = full.untyped_storage()
-                need = (full.storage_offset() + full.numel()) * full.element_size()
-                if storage.nbytes() < need:
-                    storage.resize_(need)
-                alias = torch.empty(0, dtype=full.dtype, device=full.device)
-                alias.set_(storage, full.storage_offset(), (full.numel(),))
-                alias.copy_(rows[:, off:off + sl.chunk].reshape(-1)[:sl.numel])
+                if recv.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+                    self._alias(full).copy_(rows[:, off:off + sl.chunk].reshape(-1)[:sl.numel])
                 self._seen[q] = version
                 self._freed.discard(q)
 

@@ -41,6 +41,8 @@ from .plan import _Gate
 
 __all__ = ["Riding"]
 
+RS_IN_FLIGHT = 2  # reduce-scatters a backward keeps in flight (each holds a unit's full gradients)
+
 
 class _Rider:
     """An output all-reduced inside a gradient bucket (reduce_outputs="with_gradients")."""
@@ -248,11 +250,23 @@ class _GradSync:
             cols.append(g.view(n, sl.chunk))
             offsets.append(off)
             off += sl.chunk
-        send = torch.cat(cols, dim=1).reshape(-1)
+        send = cols[0].reshape(-1) if len(cols) == 1 else torch.cat(cols, dim=1).reshape(-1)
+        del cols, g
         out = torch.empty(off, dtype=send.dtype, device=send.device)
+        self._drain_scatters(RS_IN_FLIGHT - 1)
         work = _reduce_scatter(out, send, rt.groups[key])
         rt.free_full(quals)
         self.works.append(_Job(work, out, list(quals), [], key, [], False, send, [], offsets))
+
+    def _drain_scatters(self, keep: int) -> None:
+        """Finish all but the ``keep`` latest reduce-scatters in flight: their slices go
+        to the gradients now and their inputs (a unit's full gradients) are freed, so the
+        backward holds a few units' full gradients, not every unit's."""
+        flying = [job for job in self.works if job.scatter is not None and job.mine is not None]
+        for job in flying[:max(len(flying) - keep, 0)]:
+            self.rt.wait([job.work], lambda: f"gradient reduce-scatter among ranks {list(job.key)}")
+            self._give_slices(job, job.flat)
+            job.mine = None  # done: finish() skips it
 
     def _give_slices(self, job: _Job, out: torch.Tensor) -> None:
         """A reduce-scattered bucket's slices into the flat parameters' gradients."""
@@ -287,6 +301,8 @@ class _GradSync:
             owner = self.scope.owner
             for job in works:
                 flat = job.flat
+                if job.scatter is not None and job.mine is None:  # finished early (_drain_scatters)
+                    continue
                 if job.work is None:  # this rank's part was early: its gradients (mine) come in the repair
                     self._repair(flat, job.mine.numel(), job.mine)
                 else:

@@ -33,7 +33,10 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   backward; every other consumer's contribution is a transient at that consumer's backward;
 - parameter gradients, from the backward of the parameters' last user to the update;
 - communication buffers: the executor flattens a bucket of replicated gradients into one
-  buffer for the all-reduce, a transient of those bytes where the bucket is complete;
+  buffer for the all-reduce and, as DDP does, keeps it from step to step (the synced
+  gradients are views of it): the whole step; autograd's gradients of those shards live
+  until the bucket is complete.  A reduce-scatter's input (levels 2-3) is a transient where
+  its bucket is complete;
 - transients inside an op (an LSTM cell's two gate products before they are added, the
   gradient of a loss's log-softmax) and the optimizer step's temporaries (Adam: two
   copies of the largest shard, one at a time, on CPUs; one copy of every shard at once where
@@ -378,15 +381,19 @@ class Liveness:
 
     def cluster_events(self, c: int, cp):
         """Events of a parameter cluster's plan ``cp``: parameters, buffers and optimizer
-        state the whole step, gradients from the last user's backward, the all-reduce
-        buffer at the first user's backward."""
+        state the whole step, and the all-reduce buckets (kept from step to step, as the
+        executor and DDP keep them; the synced gradients are views of them); gradients
+        from the last user's backward, to the update, or for all-reduced ones to the
+        first user's backward (where they are copied into the bucket); a reduce-scatter's
+        input at the first user's backward."""
         n = self.n
         us, _ = self.ctx.clusters[c]
-        pos, rows = [0, self.npos - 1], [cp.mem, -cp.mem]
+        pos, rows = [0, self.npos - 1], [cp.mem + cp.kept, -(cp.mem + cp.kept)]
         g0 = 2 * n - 1 - max(us)
-        pos += [g0, self.npos - 1]
-        rows += [cp.grad, -cp.grad]
         b = 2 * n - 1 - min(us)
+        own = cp.grad - cp.ar_grad  # gradients not all-reduced: to the update
+        pos += [g0, self.npos - 1, g0, b + 1]
+        rows += [own, -own, cp.ar_grad, -cp.ar_grad]
         pos += [b, b + 1]
         rows += [cp.synced, -cp.synced]
         if cp.gathered.any():  # shard level 3: the full parameters from the first user's forward

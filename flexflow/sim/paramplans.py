@@ -26,7 +26,7 @@ class _SubGraph:
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
     __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
-                 "bucket_bytes", "gathered", "cast")
+                 "bucket_bytes", "gathered", "cast", "kept", "ar_grad")
 
 
 class ParamPlanning:
@@ -86,7 +86,9 @@ class ParamPlanning:
         cp.syncs, cp.upd = [], {}
         cp.mem = np.zeros(D, np.int64)       # values (parameters, buffers) + optimizer state
         cp.grad = np.zeros(D, np.int64)      # parameter gradients
-        cp.synced = np.zeros(D, np.int64)    # gradients all-reduced (the bucket buffer)
+        cp.synced = np.zeros(D, np.int64)    # gradients reduce-scattered (levels 2-3: the send buffer)
+        cp.kept = np.zeros(D, np.int64)      # all-reduce buckets, kept step to step (the synced gradients)
+        cp.ar_grad = np.zeros(D, np.int64)   # all-reduced gradients as autograd makes them (of cp.grad)
         cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
         cp.gathered = np.zeros(D, np.int64)  # shard level 3: full parameters while the users run
         cp.cast = np.zeros(D, np.int64)      # *-mixed: the parameters cast to the compute dtype
@@ -162,8 +164,13 @@ class ParamPlanning:
             for d in sh.devices:
                 cp.grad[d] += grad
                 cp.maxshard[d] = max(cp.maxshard[d], upd)
-                if sync >= 0:
-                    cp.synced[d] += reduced  # the bucket, in the reduce dtype
+                if sync >= 0 and level >= 2:
+                    cp.synced[d] += reduced  # the reduce-scatter's input, in the reduce dtype
+                elif sync >= 0:
+                    # the all-reduce bucket (reduce dtype) that the executor, as DDP, keeps from step
+                    # to step and hands the synced gradients out of; autograd's own until it
+                    cp.kept[d] += reduced
+                    cp.ar_grad[d] += grad
                 s = m.devices[d].spec
                 upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * upd / s.mem_bw_Bps + s.launch_overhead_s
                 if sync < 0:
