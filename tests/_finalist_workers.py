@@ -7,31 +7,18 @@ import os
 import warnings
 
 import torch
-from torch import nn
 
 import flexflow as ff
 import flexflow.finalists.measure as measure_module
 from flexflow.cost.corrections import corrections_path, load_corrections
 from flexflow.cost.model import CostModel
 
-
-class Wide(nn.Module):
-    """Four 256-wide layers: at batch 128 compute dominates a step, so two processes
-    sharing it beat one process doing it all."""
-
-    def __init__(self, width: int = 256, layers: int = 4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return nn.functional.mse_loss(x, y)
+from _small_models import MLP  # four 256-wide layers at batch 128: compute dominates a step
 
 
 def wide(batch: int = 128, width: int = 256):
     torch.manual_seed(0)
-    return Wide(width), (torch.randn(batch, width), torch.randn(batch, width))
+    return MLP(width, layers=4), (torch.randn(batch, width), torch.randn(batch, width))
 
 
 class Flattering(CostModel):
