@@ -10,7 +10,10 @@ and the optimality checks of section 8.
   so that each proposal (one share group's config changed) is a delta
   simulation; then a local descent ("polish") from the best strategy found.
 - :func:`baseline_strategies` / :func:`optcnn`: data parallel, model
-  parallel, expert and OptCNN's layer-wise dynamic programming.
+  parallel, expert and OptCNN's layer-wise dynamic programming; where data
+  parallelism does not fit, FSDP, Megatron's tensor parallelism and the 2-D
+  FSDP x TP plan (``fsdp``, ``megatron``, ``fsdp_tp``) as well.  Baselines
+  that took a while are kept for the next search of the same graph and machine.
 - :func:`exhaustive_search` (branch and bound) and :func:`is_local_optimum`
   check the search on small cases.
 
@@ -23,9 +26,16 @@ Where memory binds, shard levels and recomputation join the space as levers of a
 group's config (``levers``): carried over its split changes, changed one group or one op
 kind at a time.
 
+Where the graph repeats a block (a transformer's layers), repeat moves give the same op
+of every block one config at once (``repeats``).
+
+Counting: ``SearchResult.evaluations`` are the proposals scored (simulated, cut by a
+proven bound, or screened by the load bound); chain starts and baselines are counted
+apart, with their seconds.
+
 Modules: ``common`` (space, costs, result, budget), ``mcmc`` (:func:`search`,
-:func:`is_local_optimum`), ``levers`` (shard levels and recomputation), ``baselines``,
-``optcnn``, ``exhaustive``.
+:func:`is_local_optimum`), ``levers`` (shard levels and recomputation), ``repeats``
+(repeated layers), ``baselines``, ``optcnn``, ``exhaustive``.
 """
 from .baselines import baseline_strategies
 from .common import BASELINES, SearchError, SearchResult, _Space

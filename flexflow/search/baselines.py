@@ -1,25 +1,99 @@
 """The baselines a search is compared with: data parallel, model parallel, expert, OptCNN,
-and FSDP (data parallelism with every replicated parameter at shard level 3) where the
-graph has parameters to shard."""
+FSDP (data parallelism with every replicated parameter at shard level 3) where the graph has
+parameters to shard, and Megatron's tensor parallelism (``megatron``; with ``shard`` also the
+2-D FSDP x TP plan, ``fsdp_tp``) where it has pairs of linear layers to split."""
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 from ..graph.ir import OpGraph
+from ..strategy.config import StrategyError
+from ..strategy.megatron import linear_pairs
 from ..strategy.strategy import Strategy
 from .common import Candidates
 from .optcnn import optcnn
 
-__all__ = ["baseline_strategies"]
+__all__ = ["MEMORY_BASELINES", "baseline_strategies", "memory_baselines"]
+
+# the baselines simulated only where data parallelism does not fit (see ``mcmc.search``)
+MEMORY_BASELINES = ("fsdp", "megatron", "fsdp_tp")
 
 
 def baseline_strategies(graph: OpGraph, machine, cost_model=None, *,
-                        candidates: Candidates | None = None, shard: bool = True) -> dict[str, Strategy]:
-    """name -> Strategy for data_parallel, model_parallel, expert and optcnn, and fsdp where
-    data parallelism has parameter replicas to shard (and ``shard``)."""
+                        candidates: Candidates | None = None, shard: bool = True,
+                        memory: bool = True) -> dict[str, Strategy]:
+    """name -> Strategy for data_parallel, model_parallel, expert and optcnn, and with
+    ``memory`` the plans of :func:`memory_baselines`."""
     out = {"data_parallel": Strategy.data_parallel(graph, machine),
            "model_parallel": Strategy.model_parallel(graph, machine),
            "expert": Strategy.expert(graph, machine),
            "optcnn": optcnn(graph, machine, cost_model, candidates=candidates)}
-    fsdp = Strategy.fsdp(graph, machine) if shard else None
-    if fsdp is not None and fsdp != out["data_parallel"]:
-        out["fsdp"] = fsdp
+    if memory:
+        out.update(memory_baselines(graph, machine, shard=shard, data_parallel=out["data_parallel"]))
     return out
+
+
+def memory_baselines(graph: OpGraph, machine, *, shard: bool = True,
+                     data_parallel: Strategy | None = None) -> dict[str, Strategy]:
+    """fsdp where data parallelism has parameter replicas to shard (and ``shard``);
+    megatron (tensor parallelism over the devices of a node, data parallelism across
+    nodes) where the machine has several devices, the graph pairs of linear layers and a
+    batch for its data-parallel degree, and fsdp_tp (the same at shard level 3) with
+    ``shard``; each where it is not data parallelism itself."""
+    dp = data_parallel if data_parallel is not None else Strategy.data_parallel(graph, machine)
+    out = {}
+    if shard:
+        out["fsdp"] = Strategy.fsdp(graph, machine)
+    if machine.num_devices > 1 and linear_pairs(graph):
+        try:
+            out["megatron"] = Strategy.megatron(graph, machine)
+            if shard:
+                out["fsdp_tp"] = Strategy.megatron(graph, machine, shard=3)
+        except StrategyError:  # a batch smaller than the data-parallel degree
+            out.pop("megatron", None)
+    return {k: s for k, s in out.items() if s != dp}
+
+
+# ------------------------------------------------------------------------------ reuse
+# Baselines built and simulated for a graph and machine, kept for the next search of the same
+# (at 64 devices OptCNN's tables and the baselines' simulations take seconds).  Only those
+# that took at least _REUSE_CPU_S of processor time are kept: a small search stays a function
+# of its arguments and its clock alone.
+_REUSE: OrderedDict = OrderedDict()
+_REUSE_SIZE = 4
+_REUSE_CPU_S = 1.0
+
+
+def reuse_key(graph: OpGraph, machine, cost_model, *settings):
+    """The key under which a search's baselines are kept (None: not kept, e.g. under a
+    restricted candidate space): graph, machine, the cost model (the analytic default, or
+    that very object) and the simulator's settings."""
+    return (graph.fingerprint(), machine.fingerprint(), "analytic" if cost_model is None else id(cost_model),
+            *settings)
+
+
+def reused(key, graph: OpGraph, machine):
+    """(strategies, results) kept under ``key``, the strategies on ``graph``; or None."""
+    hit = _REUSE.get(key) if key is not None else None
+    if hit is None:
+        return None
+    _REUSE.move_to_end(key)
+    strategies, results = hit[0], hit[1]
+    if any(s.graph is not graph for s in strategies.values()):
+        strategies = {k: Strategy(graph, dict(s), machine, name=s.name) for k, s in strategies.items()}
+    return dict(strategies), dict(results)
+
+
+def keep(key, strategies: dict, results: dict, cost_model, cpu_s: float) -> None:
+    """Keep a search's baselines under ``key`` when they took at least ``_REUSE_CPU_S``."""
+    if key is None or cpu_s < _REUSE_CPU_S:
+        return
+    _REUSE[key] = (dict(strategies), dict(results), cost_model)  # (the model: its id stays its own)
+    while len(_REUSE) > _REUSE_SIZE:
+        _REUSE.popitem(last=False)
+
+
+def cpu_seconds() -> float:
+    """This process's processor time (what ``keep`` compares)."""
+    return time.process_time()

@@ -15,7 +15,8 @@ from ..strategy.strategy import Strategy
 
 __all__ = ["SearchError", "SearchResult", "BASELINES"]
 
-# the baselines every search has (``fsdp`` joins them where the graph has parameters to shard)
+# the baselines every search has (``fsdp``, ``megatron`` and ``fsdp_tp`` join them where data
+# parallelism does not fit and the graph has parameters to shard, pairs of linear layers to split)
 BASELINES = ("data_parallel", "model_parallel", "expert", "optcnn")
 Candidates = Callable[[Op, object], Sequence[ParallelConfig]]
 _REL = 1e-12  # relative tolerance: smaller differences are float noise, not improvements
@@ -133,8 +134,10 @@ class SearchResult:
     strategy: Strategy
     result: object  # SimResult of strategy
     baselines: dict  # name -> SimResult (data_parallel, model_parallel, expert, optcnn)
-    evaluations: int  # strategies the search evaluated: simulated, or rejected by the lower bound
-    #   (chain starts, proposals, polish; see ``simulations``, ``screened`` and ``cut``)
+    evaluations: int  # proposals the search scored (MCMC moves and the polish's changes):
+    #   simulated in full or by delta (``simulations``), stopped once a proven bound showed
+    #   them rejected (``cut``), or rejected by the load lower bound (``screened``); the
+    #   chain starts (``start_simulations``, ``start_screened``) and the baselines are apart
     seconds: float  # wall time of the whole call, baselines included
     baseline_strategies: dict = field(default_factory=dict)  # name -> Strategy
     history: list = field(default_factory=list)  # (evaluations, seconds, best iteration time) at each improvement
@@ -147,6 +150,10 @@ class SearchResult:
     simulations: int = 0  # of ``evaluations``: the ones simulated (delta or full)
     screened: int = 0  # of ``evaluations``: rejected by the load lower bound, not simulated
     cut: int = 0  # of ``evaluations``: simulations stopped once slower than any acceptable cost
+    start_simulations: int = 0  # chain starts (and the polish's start) simulated, not evaluations
+    start_screened: int = 0  # chain starts left out by their load lower bound, not simulated
+    start_seconds: float = 0.0  # of ``seconds``: the chain starts, after the baselines
+    baselines_reused: bool = False  # the baselines came from an earlier call (same graph and machine)
 
     @property
     def speedup(self) -> float:
@@ -162,11 +169,16 @@ class SearchResult:
                 "sync_bytes": r.sync_bytes, "peak_memory_bytes": list(r.peak_memory),
                 "baselines": {k: {"iteration_time_ms": b.iteration_time * 1e3, "comm_bytes": b.comm_bytes,
                                   "sync_bytes": b.sync_bytes} for k, b in self.baselines.items()},
-                "search_seconds": self.seconds, "evaluations": self.evaluations}
+                "search_seconds": self.seconds, "evaluations": self.evaluations,
+                "baseline_seconds": self.baseline_seconds, "start_seconds": self.start_seconds,
+                "starts": {"simulated": self.start_simulations, "screened": self.start_screened},
+                "proposals": {"simulated": self.simulations, "cut": self.cut, "screened": self.screened}}
 
     def summary(self) -> str:
-        lines = [f"best: {self.result.iteration_time * 1e3:.3f} ms/iteration ({self.source}), "
-                 f"{self.evaluations} evaluations in {self.seconds:.1f} s"]
+        lines = [(f"best: {self.result.iteration_time * 1e3:.3f} ms/iteration ({self.source}), "
+                  f"{self.evaluations} evaluations in {self.seconds:.1f} s (baselines "
+                  f"{self.baseline_seconds:.1f} s, {self.start_simulations + self.start_screened} chain starts "
+                  f"{self.start_seconds:.1f} s)")]
         for k, r in self.baselines.items():
             tag = "" if r.feasible else " (out of memory)"
             lines.append(f"  {k:>15}: {r.iteration_time * 1e3:.3f} ms{tag}")
@@ -179,9 +191,13 @@ class _Run:
     def __init__(self, machine, budget_s, evaluations, t0, progress, scale_s):
         self.machine, self.budget_s, self.max_evals, self.t0 = machine, budget_s, evaluations, t0
         self.scale_s = scale_s
-        self.evals = 0  # strategies evaluated: simulated (``sims``) or screened out
+        self.evals = 0  # proposals evaluated: simulated (``sims``), cut or screened out
         self.sims = 0
         self.cuts = 0  # of evals: simulations stopped early (``cut``)
+        self.screens = 0  # of evals: rejected by the load lower bound
+        self.starting = True  # chain starts: counted apart (``start_sims``, ``start_screens``)
+        self.start_sims = self.start_screens = 0
+        self.start_s = 0.0
         self.best_key = self.best = self.best_res = None
         self.history: list = []
         self.last_improve_evals, self.last_improve_s = 0, time.perf_counter() - t0
@@ -199,10 +215,21 @@ class _Run:
     def key(self, res) -> tuple:
         return (0 if res.feasible else 1, _penalised(res, self.machine, self.scale_s))
 
-    def seen(self, strategy: Strategy, res) -> tuple:
-        """Count one evaluation; remember it when it is the best so far."""
-        self.evals += 1
-        self.sims += 1
+    def started(self) -> None:
+        """The chain starts are done: from here on what is scored is a proposal."""
+        if self.starting:
+            self.starting = False
+            self.start_s = self.elapsed()
+
+    def seen(self, strategy: Strategy, res, start: bool = False, count: bool = True) -> tuple:
+        """Count one evaluation (or, during the chain starts or with ``start``, one start
+        simulated; ``count=False``: a start simulated before, a baseline); remember it
+        when it is the best so far."""
+        if self.starting or start:
+            self.start_sims += count
+        else:
+            self.evals += 1
+            self.sims += 1
         k = self.key(res)
         if _better(k, self.best_key):
             self.best_key, self.best, self.best_res = k, strategy, res
@@ -217,8 +244,13 @@ class _Run:
         return self.best_key is not None and self.best_key[0] == 0 and lower_bound_s >= self.best_key[1]
 
     def screened(self) -> None:
-        """Count one evaluation settled by the lower bound, without a simulation."""
-        self.evals += 1
+        """Count one evaluation (a start, during the chain starts) settled by the lower
+        bound, without a simulation."""
+        if self.starting:
+            self.start_screens += 1
+        else:
+            self.evals += 1
+            self.screens += 1
         self._show()
 
     def cut(self) -> None:

@@ -29,7 +29,7 @@ from ..strategy.config import SHARD_LEVELS, ParallelConfig
 from ..strategy.regions import has_param_replicas
 from ..strategy.strategy import Strategy
 
-__all__ = ["Levers", "LEVER_MOVE"]
+__all__ = ["LEVER_MOVE", "Levers"]
 
 LEVER_MOVE = 0.25  # probability that a proposal is a lever move (when the levers are on)
 _SMALL = 32  # a group whose kept-for-backward bytes are below 1/_SMALL of the largest is not recomputed
@@ -151,7 +151,8 @@ class Levers:
 
     def starts(self, base: dict) -> list[tuple[str, Strategy]]:
         """Chain starts with the levers on: data parallelism with every recomputable group
-        recomputed, and FSDP (with the same) where there are shard levels."""
+        recomputed, FSDP (with the same) where there are shard levels, and the tensor-
+        parallel baselines with the same (``megatron_rc``, ``fsdp_tp_rc``)."""
         out = []
         on = lambda h, c: c.with_recompute() if not c.recompute else None
         dp = base.get("data_parallel")
@@ -166,6 +167,11 @@ class Levers:
                 m = self.apply(fsdp, self.recompute, on)
                 if m is not None:
                     out.append(("fsdp_rc", m[0]))
+        for k in ("megatron", "fsdp_tp"):
+            if base.get(k) is not None and self.recompute:
+                m = self.apply(base[k], self.recompute, on)
+                if m is not None:
+                    out.append((k + "_rc", m[0]))
         for name, s in out:
             s.name = name
         return out

@@ -15,8 +15,9 @@ from ..sim.bound import LoadBound
 from ..sim.simulate import deferred_collections
 from ..sim.taskkeys import PS
 from ..strategy.strategy import Strategy
-from .baselines import baseline_strategies
+from .baselines import baseline_strategies, cpu_seconds, keep, memory_baselines, reuse_key, reused
 from .levers import LEVER_MOVE, Levers
+from .repeats import REPEAT_MOVE, Repeats
 from .common import (
     BASELINES,
     Candidates,
@@ -53,7 +54,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
            baselines: dict | None = None, optimizer: str = "sgd", sync: str = "ring",
            screen: bool = True, block: float = 0.1, baseline_results: dict | None = None,
            reduce_outputs: str = "with_gradients", shard: bool = True,
-           precision: str = "32-true", recompute: bool | None = None) -> SearchResult:
+           precision: str = "32-true", recompute: bool | None = None, repeat: bool = True) -> SearchResult:
     """MCMC search for a fast strategy of ``graph`` on ``machine``.
 
     shard: whether shard levels (``ParallelConfig.shard``) may be chosen.  They are a memory
@@ -104,6 +105,9 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true": the training precision
         every simulator prices (see :class:`flexflow.Simulator`); the OptCNN baseline
         times its ops in it too.
+    repeat: whether repeat moves are made where the graph repeats a block (a transformer's
+        layers): with probability ``repeats.REPEAT_MOVE`` a proposal gives the same op of
+        every block one config (``repeats.py``), and the polish tries aligning them.
     block: probability that a proposal is a block move: the chosen config then
         continues downstream through up to 8 consumer groups (``_Space.follow``:
         the same config, or the same split of another op kind), as a layer's ops or
@@ -124,25 +128,39 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             raise SearchError("init strategy was made for another graph")
         init.check(machine)
 
-    base = dict(baselines) if baselines is not None else \
-        baseline_strategies(graph, machine, priced_cost_model(cm, precision), candidates=candidates, shard=shard)
+    key = None
+    if baselines is None and baseline_results is None and candidates is None:
+        key = reuse_key(graph, machine, cost_model, optimizer, sync, reduce_outputs, precision, shard)
+    hit = reused(key, graph, machine)
+    reused_baselines = hit is not None
+    cpu0 = cpu_seconds()
+    if hit is not None:  # an earlier search of this graph on this machine built and simulated them
+        base, base_res = hit
+    else:
+        base = dict(baselines) if baselines is not None else baseline_strategies(
+            graph, machine, priced_cost_model(cm, precision), candidates=candidates, shard=shard, memory=False)
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")
-    if baseline_results is not None:
+    if hit is not None:
+        base_res = hit[1]
+    elif baseline_results is not None:
         if baselines is None or set(baseline_results) != set(base):
             raise SearchError("baseline_results needs the baselines it was simulated from")
         base_res = dict(baseline_results)
     else:
         sim0 = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
         base_res = {"data_parallel": sim0.simulate(base["data_parallel"], incremental=False)}
-        if baselines is None and base_res["data_parallel"].feasible:
-            # shard levels and recomputation are memory levers: where data parallelism fits,
-            # the search keeps to the plain space (the simulator's sync order favours sharded
-            # clusters over a data-parallel bucket chain by more than a real run would: see the
-            # README's limits), so the fsdp baseline is not simulated
-            base.pop("fsdp", None)
+        if baselines is None and not base_res["data_parallel"].feasible:
+            # shard levels, recomputation and tensor parallelism are memory plans: only where
+            # data parallelism does not fit are fsdp, megatron and fsdp_tp built and simulated
+            # (where it fits, the search keeps to the plain space: the simulator's sync order
+            # favours sharded clusters over a data-parallel bucket chain by more than a real
+            # run would, see the README's limits; and the zoo's models that fit train fastest
+            # without tensor parallelism)
+            base.update(memory_baselines(graph, machine, shard=shard, data_parallel=base["data_parallel"]))
         base_res.update({k: sim0.simulate(s, incremental=False) for k, s in base.items() if k not in base_res})
+        keep(key, base, base_res, cost_model, cpu_seconds() - cpu0)
     spent = time.perf_counter() - t0
     if evaluations is None and spent >= 0.5 * budget:
         warnings.warn(f"building and simulating the baselines took {spent:.1f} s of the {budget:g}-s budget, "
@@ -157,6 +175,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         # memory binds: shard levels and recomputation join the space (levers.py)
         ctx = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision).ctx
         levers = Levers(space, ctx, shard, recompute) or None
+    repeats = (Repeats(space) or None) if repeat else None
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
     scale_s = min(feasible or [r.iteration_time for r in base_res.values()])
     scale_s = scale_s if scale_s > 0 else 1e-6
@@ -168,6 +187,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     starts += [(k, base[k]) for k in ("data_parallel", "expert", "optcnn")]
     if levers is not None:
         starts += levers.starts(base)
+    starts += [(k, base[k]) for k in ("megatron", "fsdp_tp") if k in base_res]
     one = Strategy.single_device(graph, machine)
     if all(one[rep] in space.index[i] for i, rep in enumerate(space.reps)):  # within the space
         starts.append(("single_device", one))
@@ -186,7 +206,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     run = _Run(machine, budget, evaluations, t0, progress, scale_s)
     rng = random.Random(seed)
     mcmc_frac = 0.75 if polish else 1.0
-    proposed = accepted = screened = 0
+    proposed = accepted = 0
     try:
         state, cost, sims, bounds, size = [], [], [], [], []
         for name, s in starts:
@@ -199,15 +219,15 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                 # it would begin at the best start instead (below), simulated or not (a
                 # random start at 64 devices has 10x data parallelism's tasks)
                 run.screened()
-                screened += 1
                 cost.append(math.inf)
                 size.append(0)
                 continue
             # a baseline start is simulated already; the chain's simulator starts with its
             # first proposal
             res = base_res[name] if name in base_res else sim.simulate(s, incremental=delta)
-            cost.append(run.seen(s, res)[1])
+            cost.append(run.seen(s, res, count=name not in base_res)[1])
             size.append(res.num_tasks)
+        run.started()
         lead = min(range(len(starts)), key=cost.__getitem__)
         for c in range(len(starts)):  # a hopeless start begins at the best one instead
             if cost[c] > _LAGGING * cost[lead]:
@@ -232,7 +252,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                 if screen:
                     bounds[c] = LoadBound(sims[c].ctx, state[c])
                 moves[c] = 0
-            new, groups = _propose(rng, space, state[c], block, levers)
+            new, groups = _propose(rng, space, state[c], block, levers, repeats)
             # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
             u = rng.random()
             proposed += 1
@@ -243,7 +263,6 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                 if lb > cost[c] and run.can_screen(lb) and \
                         u >= math.exp(-beta * (lb - cost[c])) * (1.0 + 1e-12):
                     run.screened()
-                    screened += 1
                     continue
             if screen and run.best_key is not None and run.best_key[0] == 0:
                 # The test rejects every cost above max(cost - ln(u) / beta, best) (u = 0:
@@ -263,9 +282,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                     bounds[c].commit(new)
         converged = False
         if polish and space.movable:
-            converged, polished = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
-                                           reduce_outputs, screen, precision, levers)
-            screened += polished
+            converged, _ = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
+                                    reduce_outputs, screen, precision, levers, repeats)
     finally:
         run.close()
 
@@ -286,11 +304,12 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             best = Strategy(graph, dict(best), machine, name="search")
     return SearchResult(best, best_res, base_res, run.evals, time.perf_counter() - t0, base,
                         run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
-                        source, converged, baseline_s, run.sims, screened, run.cuts)
+                        source, converged, baseline_s, run.sims, run.screens, run.cuts,
+                        run.start_sims, run.start_screens, max(run.start_s - baseline_s, 0.0), reused_baselines)
 
 
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
-             levers: Levers | None = None) -> tuple[Strategy, list[int]]:
+             levers: Levers | None = None, repeats: Repeats | None = None) -> tuple[Strategy, list[int]]:
     """A random move from ``cur``: one movable share group to another of its candidates
     (uniformly: a symmetric proposal), and with probability ``block`` the same split carried
     on downstream through 1-8 consumer groups.  With ``levers`` (memory binds), with
@@ -299,6 +318,10 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
     new config can take them.  Returns (strategy, changed groups)."""
     if levers is not None and rng.random() < LEVER_MOVE:
         move = levers.propose(rng, cur)
+        if move is not None:
+            return move
+    if repeats and rng.random() < REPEAT_MOVE:
+        move = repeats.propose(rng, cur, levers)
         if move is not None:
             return move
     gi = space.movable[rng.randrange(len(space.movable))]
@@ -337,7 +360,8 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
 
 def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
              optimizer: str = "sgd", sync: str = "ring", reduce_outputs: str = "with_gradients",
-             screen: bool = True, precision: str = "32-true", levers: Levers | None = None) -> tuple[bool, int]:
+             screen: bool = True, precision: str = "32-true", levers: Levers | None = None,
+             repeats: Repeats | None = None) -> tuple[bool, int]:
     """Local descent from the run's best strategy, first improvement: single-group
     changes (in a seeded order) until none improves; then pair moves (two adjacent
     groups, producer and consumer, to one common config: a change the one-group
@@ -386,7 +410,7 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
 
     if run.spent(1.0, patience=False):
         return False, 0
-    state["key"] = run.seen(state["cur"], sim.simulate(state["cur"], incremental=delta))
+    state["key"] = run.seen(state["cur"], sim.simulate(state["cur"], incremental=delta), start=True)
     while True:
         quiet, i = 0, 0  # groups scanned in a row without an improvement
         while quiet < len(order):
@@ -409,6 +433,13 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
             i = (i + 1) % len(order)
         moved = False
         for new, groups in levers.block_moves(state["cur"]) if levers is not None else ():
+            ok = attempt(new, groups)
+            if ok is None:
+                return False, state["screened"]
+            if ok:
+                moved = True
+                break
+        for new, groups in repeats.align_moves(state["cur"], levers) if repeats and not moved else ():
             ok = attempt(new, groups)
             if ok is None:
                 return False, state["screened"]

@@ -8,14 +8,16 @@
   :func:`overlap`, :func:`pick_replica`;
 - :mod:`.candidates`: :func:`candidate_configs`, :func:`strategy_space_log10`;
 - :mod:`.strategy`: :class:`Strategy` and the built-ins;
+- :mod:`.megatron`: ``Strategy.megatron``'s plan read off the graph (:func:`linear_pairs`);
 - :mod:`.localrun`: the single-process reference run of a graph, partition by partition.
 """
 from .candidates import candidate_configs, strategy_space_log10
 from .config import REPLICA, ParallelConfig, StrategyError, format_devices
 from .regions import (ParamShard, Partition, canonical_partitions, overlap, param_placement, partitions,
                       pick_replica, validate_config)
+from .megatron import linear_pairs
 from .strategy import Strategy
 
 __all__ = ["ParallelConfig", "Partition", "Strategy", "StrategyError", "partitions", "candidate_configs",
            "param_placement", "ParamShard", "validate_config", "strategy_space_log10", "format_devices",
-           "overlap", "REPLICA", "pick_replica", "canonical_partitions"]
+           "overlap", "REPLICA", "pick_replica", "canonical_partitions", "linear_pairs"]

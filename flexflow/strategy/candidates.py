@@ -37,7 +37,7 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
     if hit is not None:
         cache[D] = hit
         return hit
-    per_dim = [[(d.name, k) for k in _pow2_upto(min(d.size, D))] for d in op.dims]
+    per_dim = [[(d.name, k) for k in _pow2_upto(min(d.size, D))] for d in op.dims if searched(d)]
     out = []
     for combo in itertools.product(*per_dim):
         p = math.prod(k for _, k in combo)
@@ -55,6 +55,13 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
 
 
 _CANDIDATES: dict = {}  # (dims' names and sizes, no sample dim, devices) -> configs
+
+
+def searched(dim) -> bool:
+    """Whether the candidates split ``dim``: all dims but a split of a layer's inputs with
+    partial sums (a linear layer's ``k``, Megatron's row-parallel split), which pays only
+    paired with a split of its producer's outputs and is left to ``Strategy.megatron``."""
+    return not (dim.axis is None and dim.kind == "parameter")
 
 
 def strategy_space_log10(graph: OpGraph, machine) -> float:

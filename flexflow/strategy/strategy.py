@@ -1,10 +1,11 @@
 """Strategy: a config for every placed op of a graph (ops that share parameters share
 one), its JSON, and the built-ins: data parallel, model parallel, expert, single device,
-random, ZeRO stages and FSDP."""
+random, ZeRO stages, FSDP and Megatron."""
 
 from __future__ import annotations
 
 import json
+import math
 import random as _random
 from collections.abc import Mapping
 from typing import Iterator
@@ -12,6 +13,7 @@ from typing import Iterator
 from ..graph.ir import Op, OpGraph
 from .candidates import candidate_configs
 from .config import REPLICA, SHARD_LEVELS, ParallelConfig, StrategyError
+from .megatron import megatron_configs
 from .regions import has_param_replicas, validate_config
 
 __all__ = ['Strategy']
@@ -177,6 +179,28 @@ class Strategy(Mapping):
     def fsdp(cls, graph: OpGraph, machine) -> "Strategy":
         """Data parallelism with every replicated parameter at shard level 3 (FSDP, ZeRO-3)."""
         return cls.zero(graph, machine, 3)
+
+    @classmethod
+    def megatron(cls, graph: OpGraph, machine, tp: int | None = None, shard: int = 0) -> "Strategy":
+        """Megatron-style tensor parallelism of degree ``tp`` (default: the devices of one
+        node) inside groups of ``tp`` consecutive devices, data parallelism across the
+        groups; ``shard`` (0-3) shards every replicated parameter among its replicas
+        (``shard=3``: the 2-D FSDP x TP plan).  Found from the graph: see
+        :mod:`flexflow.strategy.megatron`."""
+        D = machine.num_devices
+        if tp is None:
+            tp = math.gcd(D, getattr(machine, "devices_per_node", D))
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or D % tp:
+            raise StrategyError(f"tp must be a positive int that divides the machine's {D} devices, got {tp!r}")
+        if shard not in SHARD_LEVELS:
+            raise StrategyError(f"shard must be one of {SHARD_LEVELS}, got {shard!r}")
+        if graph.batch_size is not None and D // tp > graph.batch_size:
+            raise StrategyError(f"megatron with tp={tp} on {D} devices splits the samples {D // tp} ways, "
+                                f"more than the batch of {graph.batch_size}: raise tp or the batch")
+        dp = cls.data_parallel(graph, machine)
+        configs = megatron_configs(graph, D, tp, shard, dp)
+        name = "megatron" if not shard else "fsdp_tp" if shard == 3 else f"megatron_z{shard}"
+        return cls(graph, configs, machine, name=name)
 
     @classmethod
     def model_parallel(cls, graph: OpGraph, machine) -> "Strategy":

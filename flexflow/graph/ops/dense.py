@@ -42,23 +42,45 @@ class Linear(Rule):
         c = op.output_shape[-1]
         if c > 1:
             dims.append(Dim("c", "parameter", len(op.output_shape) - 1, c))
+        if op.input_shapes[0][-1] > 1:  # in_features: a reduction dim (see _in_block)
+            dims.append(Dim("k", "parameter", None, op.input_shapes[0][-1]))
         return dims
 
     def regions(self, op: Op, block: Block):
         out = out_region(op, block)
-        x = out[:-1] + (slice(0, op.input_shapes[0][-1]),)
+        k = _in_block(op, block)
+        x = out[:-1] + (k,)
         c = out[-1]
-        ps = {"weight": (c, slice(0, op.param_shapes["weight"][1]))}
+        ps = {"weight": (c, k)}
         if "bias" in op.param_shapes:
             ps["bias"] = (c,)
         return [x], ps
 
     def compute(self, op, block, inputs, params):
-        return F.linear(inputs[0], params["weight"], params.get("bias"))
+        return F.linear(inputs[0], params["weight"], _bias(op, block, params))
 
     def flops(self, op, block):
         out = region_shape(out_region(op, block))
-        return 2.0 * math.prod(out) * op.input_shapes[0][-1]
+        k = _in_block(op, block)
+        return 2.0 * math.prod(out) * (k.stop - k.start)
+
+
+# The in_features split of a linear layer (dim ``k``, a reduction dim): a partition reads
+# its slice of the input's last axis and of the weight's columns and leaves a partial sum
+# of the whole output block, which its consumers add up (Megatron's row-parallel layer,
+# after a layer split by outputs).  The bias joins the first slice's sum only (the others
+# add it times zero, so each holder of the bias gets a gradient).  The search's candidate
+# configs leave this dim out (``strategy.candidates``); ``Strategy.megatron`` uses it.
+def _in_block(op: Op, block: Block) -> slice:
+    a, b = block.get("k", (0, op.input_shapes[0][-1]))
+    return slice(a, b)
+
+
+def _bias(op: Op, block: Block, params):
+    bias = params.get("bias")
+    if bias is None or block.get("k", (0,))[0] == 0:
+        return bias
+    return bias * 0
 
 
 @register("matmul")
@@ -209,13 +231,15 @@ class LinearT(Linear):
 
     def regions(self, op: Op, block: Block):
         out = out_region(op, block)
-        x = out[:-1] + (slice(0, op.input_shapes[0][-1]),)
+        k = _in_block(op, block)
+        x = out[:-1] + (k,)
         c = out[-1]
-        ps = {"weight": (slice(0, op.param_shapes["weight"][0]), c)}
+        ps = {"weight": (k, c)}
         if "bias" in op.param_shapes:
             ps["bias"] = (c,)
         return [x], ps
 
     def compute(self, op, block, inputs, params):
         y = torch.matmul(inputs[0], params["weight"])
-        return y + params["bias"] if "bias" in params else y
+        bias = _bias(op, block, params)
+        return y + bias if bias is not None else y

@@ -1,0 +1,169 @@
+"""Strategy.megatron: tensor parallelism read off the graph (pairs of linear layers, the
+second split by its inputs with partial sums), the 2-D plan, and a real 2-rank run."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flexflow as ff
+from flexflow.launch import launch
+from flexflow.models._common import InputSpec
+from flexflow.strategy import StrategyError, param_placement
+from flexflow.strategy.localrun import run_graph
+from flexflow.strategy.megatron import linear_pairs
+
+
+class Decoder(nn.Module):
+    """A pre-norm decoder written differently from the zoo's: fused query/key/value
+    projection, RMS-style norm by hand, SwiGLU MLP, torch's fused attention."""
+
+    def __init__(self, width=16, heads=4, layers=2, vocab=32, seq=8):
+        super().__init__()
+        self.heads, self.seq = heads, seq
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(nn.ModuleDict({
+                "qkv": nn.Linear(width, 3 * width, bias=False), "out": nn.Linear(width, width, bias=False),
+                "gate": nn.Linear(width, 2 * width, bias=False), "up": nn.Linear(width, 2 * width, bias=False),
+                "down": nn.Linear(2 * width, width, bias=False),
+                "n1": nn.LayerNorm(width), "n2": nn.LayerNorm(width)}))
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        N, T, W = h.shape
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["n1"](h)).split(W, dim=-1)
+            q, k, v = (t.reshape(N, T, self.heads, W // self.heads).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + b["out"](a.transpose(1, 2).reshape(N, T, W))
+            z = b["n2"](h)
+            h = h + b["down"](F.silu(b["gate"](z)) * b["up"](z))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+    def input_specs(self, batch: int):
+        return [InputSpec((batch, self.seq), "index", 32), InputSpec((batch, self.seq), "index", 32)]
+
+
+def _transformer(batch=4):
+    m, x = ff.models.get("transformer", size="small", batch_size=batch)
+    m.eval()
+    return m, x, ff.trace(m, x)
+
+
+def _decoder(batch=4):
+    torch.manual_seed(0)
+    m = Decoder()
+    x = (torch.randint(0, 32, (batch, 8)), torch.randint(0, 32, (batch, 8)))
+    return m, x, ff.trace(m, x)
+
+
+def test_pairs_are_found_from_the_graph():
+    _, _, g = _transformer()
+    pairs = {second: firsts for firsts, second, _ in linear_pairs(g)}
+    assert pairs == {"blocks_0_attn_proj": ["blocks_0_attn_q", "blocks_0_attn_k", "blocks_0_attn_v"],
+                     "blocks_0_mlp_proj": ["blocks_0_mlp_fc"],
+                     "blocks_1_attn_proj": ["blocks_1_attn_q", "blocks_1_attn_k", "blocks_1_attn_v"],
+                     "blocks_1_mlp_proj": ["blocks_1_mlp_fc"]}
+    _, _, g = _decoder()
+    seconds = {g.op(s).module_path: sorted(g.op(f).module_path for f in fs) for fs, s, _ in linear_pairs(g)}
+    assert seconds == {"blocks.0.out": ["blocks.0.qkv"], "blocks.0.down": ["blocks.0.gate", "blocks.0.up"],
+                       "blocks.1.out": ["blocks.1.qkv"], "blocks.1.down": ["blocks.1.gate", "blocks.1.up"]}
+
+
+def test_the_plan_splits_pairs_heads_and_tokens():
+    _, _, g = _transformer(batch=4)
+    mach = ff.Machine.preset("p100-cluster", devices=8)  # 2 nodes of 4
+    s = ff.Strategy.megatron(g, mach)  # tp: the devices of one node
+    assert s.name == "megatron"
+    assert s["blocks_0_attn_q"].degrees == {"n": 2, "c": 4}  # by outputs
+    assert s["blocks_0_attn_proj"].degrees == {"n": 2, "k": 4}  # by inputs: partial sums
+    assert s["blocks_0_mlp_fc"].degrees == {"n": 2, "c": 4} and s["blocks_0_mlp_proj"].degrees == {"n": 2, "k": 4}
+    assert s["softmax"].degrees == {"n": 2, "c": 4}  # (N, heads, T, T): by heads
+    assert s["blocks_0_ln_1"].degrees == {"n": 2, "s": 4}  # the trunk by tokens
+    # partition k of the tensor-parallel dim runs on device node * 4 + k
+    assert s["blocks_0_attn_proj"].devices == tuple(range(8))
+    assert all(c.devices == tuple(range(8)) or c.num_partitions == 8 for c in s.values())
+    # an op of a pair holds 1/4 of its weight; the rest of the trunk replicates its own
+    w = param_placement(g, s)["blocks.0.mlp.proj.weight"]
+    assert {sh.region[1].stop - sh.region[1].start for sh in w[1]} == {32}  # 128 inputs / 4
+    assert ff.Strategy.megatron(g, mach, tp=8)["blocks_0_mlp_fc"].degrees == {"c": 8}  # no data parallelism
+
+
+def test_shard_3_is_the_2d_plan_and_bad_arguments_are_refused():
+    _, _, g = _transformer(batch=4)
+    mach = ff.Machine.preset("p100-cluster", devices=8)
+    s3 = ff.Strategy.megatron(g, mach, shard=3)
+    plain = ff.Strategy.megatron(g, mach)
+    for name, cfg in s3.items():  # the same split, every parameter replicated among nodes sharded
+        assert cfg.with_shard(0) == plain[name]
+        assert (cfg.shard == 3) == bool(g.op(name).params)
+    with pytest.raises(StrategyError, match="tp must"):
+        ff.Strategy.megatron(g, mach, tp=3)
+    with pytest.raises(StrategyError, match="shard must"):
+        ff.Strategy.megatron(g, mach, shard=4)
+    with pytest.raises(StrategyError, match="more than the batch"):
+        ff.Strategy.megatron(g, ff.Machine.preset("p100-cluster"), tp=2)  # 8 data-parallel groups, batch 4
+
+
+def test_the_plan_computes_what_the_module_does_and_simulates():
+    for m, x, g in (_transformer(batch=4), _decoder(batch=4)):
+        mach = ff.Machine.preset("p100-cluster", devices=8)
+        s = ff.Strategy.megatron(g, mach)
+        with torch.no_grad():
+            assert torch.allclose(run_graph(g, m, x, s), m(*x), rtol=1e-5, atol=1e-6)
+        sim = ff.Simulator(g, mach)
+        r = sim.simulate(s, incremental=False)
+        dp = sim.simulate(ff.Strategy.data_parallel(g, mach), incremental=False)
+        assert r.comm_bytes > 0 and r.iteration_time > 0
+        # the pairs' weights are split 4 ways: less parameter sync than data parallelism
+        assert r.sync_bytes < dp.sync_bytes
+        assert sim.simulate(s, incremental=True).iteration_time == r.iteration_time
+
+
+def test_reduction_split_stays_out_of_the_search_candidates():
+    _, _, g = _transformer()
+    op = g.op("blocks_0_mlp_proj")
+    assert op.parallel_dims["k"] == "parameter"
+    assert all("k" not in c.degrees for c in ff.candidate_configs(op, 8))
+
+
+# --------------------------------------------------------------------------- 2 ranks
+def _worker(rank: int, cases):
+    return [_case(rank, which, tp) for which, tp in cases]
+
+
+def _case(rank: int, which: str, tp: int):
+    from _dist_workers import _rel_err, _train  # the executor tests' SGD loop and error
+    torch.set_num_threads(1)
+    m, x, g = (_transformer if which == "transformer" else _decoder)(batch=4)
+    init = copy.deepcopy(m.state_dict())
+    ref_losses = ref_state = None
+    if rank == 0:
+        ref = copy.deepcopy(m)
+        ref_losses = _train(ref, ref, 4)
+        ref_state = ref.state_dict()
+    m.load_state_dict(init)
+    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=2), tp=tp)
+    par = ff.parallelize(m, 2, example_inputs=x, strategy=s)
+    losses = _train(par, m, 4)
+    out = {"losses": losses, "exchanges": par.runtime.num_exchanges}
+    state = par.state_dict()  # (a collective: every rank)
+    if rank == 0:
+        out["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        out["param_err"] = max(_rel_err(state[k], ref_state[k]) for k in ref_state)
+    return out
+
+
+@pytest.mark.slow
+def test_megatron_trains_equal_to_one_process_on_2_ranks():
+    cases = [("transformer", 2), ("decoder", 2), ("decoder", 1)]
+    r0, r1 = launch(_worker, 2, cases, timeout_s=120)
+    for case, a, b in zip(cases, r0, r1):
+        assert a["losses"] == b["losses"] and a["exchanges"] > 0, case
+        assert a["loss_err"] < 1e-5 and a["param_err"] < 1e-5, (case, a)
