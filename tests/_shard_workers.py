@@ -55,6 +55,11 @@ def holdings(rank: int, stage: int) -> dict:
     return out
 
 
+def holdings_by_stage(rank: int) -> dict:
+    """:func:`holdings` at stages 1, 2 and 3 in one launch."""
+    return {stage: holdings(rank, stage) for stage in (1, 2, 3)}
+
+
 def _initial():
     torch.manual_seed(0)
     return [t.clone() for t in Net().state_dict().values()]

@@ -32,7 +32,7 @@ def test_keyword_inputs_and_dict_output(kwlm):
     # Conv1D's view -> addmm -> view is one linear (weight (in, out)) that keeps the batch axis
     conv = [op for op in graph.compute_ops if op.rule == "linear_t"]
     assert len(conv) == 1 and conv[0].output_shape == (4, C.SEQ, 3 * C.DIM)
-    assert set(conv[0].parallel_dims) == {"n", "s", "c"}
+    assert set(conv[0].parallel_dims) == {"n", "s", "c", "k"}  # k: split by inputs, partial sums
     rms = next(op for op in graph.compute_ops if op.kind == "mul" and op.params)
     assert rms.rule == "pointwise"  # a parameter times an activation is not opaque
     assert isinstance(graph.outputs, dict) and set(graph.outputs) == {"logits", "loss"}
