@@ -86,9 +86,12 @@ class Recomputing:
             return _compute(op, block, list(args[:n]), dict(zip(keys, args[n:])))
         out = checkpoint(fn, *ins, *[params[k] for k in keys], use_reentrant=False, preserve_rng_state=True)
         if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr():
-            # the output holds its source, and a reader's recipe too: nothing else does
-            out._ff_rc_source = _Source(op, block, list(ins), dict(params), rng, auto, out.storage_offset(), quals)
-            self._rc_live[out.untyped_storage().data_ptr()] = weakref.ref(out)
+            # the tensor that owns the output's storage (a linear on 3-d inputs returns a
+            # view of its 2-d result, and readers' views, split pieces, hold that one) holds
+            # the source, and a reader's recipe too: nothing else does
+            root = out if out._base is None else out._base
+            root._ff_rc_source = _Source(op, block, list(ins), dict(params), rng, auto, out.storage_offset(), quals)
+            self._rc_live[out.untyped_storage().data_ptr()] = weakref.ref(root)
         return out
 
     def _rc_source(self, t):
