@@ -89,10 +89,12 @@ def test_each_stage_keeps_less_of_the_parameter_state(optimizer):
     if optimizer == "adam":
         assert peaks["dp"] > peaks["z1"] > peaks["z2"] > peaks["z3"]
         # the optimizer state (two float32 copies) is what level 1 splits: (n-1)/n of 2P saved,
-        # less the optimizer step's temporaries, which follow the largest slice it updates
-        assert peaks["dp"] - peaks["z1"] >= 2 * params * (n - 1) / n - 2 * 512 * 512 * 4
-    else:
-        assert peaks["dp"] == peaks["z1"] > peaks["z2"] > peaks["z3"]
+        # less the optimizer step's temporaries, which follow the largest slice it updates, and
+        # the flat slices the optimizer updates beside the full parameters (P/n)
+        assert peaks["dp"] - peaks["z1"] >= 2 * params * (n - 1) / n - params / n - 2 * 512 * 512 * 4
+    else:  # no optimizer state to split: level 1 only adds the flat slices (P/n)
+        assert 0 < peaks["z1"] - peaks["dp"] <= params / n + 1024
+        assert peaks["z1"] > peaks["z2"] > peaks["z3"]
     # levels 1-2 move what an all-reduce moves; level 3 gathers the parameters once more
     assert res["z1"].sync_bytes == res["z2"].sync_bytes == res["dp"].sync_bytes
     assert res["z3"].sync_bytes == pytest.approx(1.5 * res["dp"].sync_bytes)

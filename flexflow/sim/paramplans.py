@@ -145,15 +145,17 @@ class ParamPlanning:
             # optimizer state (level >= 1), of the gradient (>= 2), of the parameter (3)
             n = len(sh.devices) if trainable and level else 1
             part = -(-nb // n)
-            value = part if level >= 3 else nb
+            # level 3 keeps the slice only; levels 1-2 the full parameter the ops read and the
+            # flat slice the optimizer updates (the executor's own tensor)
+            value = part if level >= 3 else nb + part if level and n > 1 else nb
             # level 3 gathers the full parameter (its own slice reused when the gather is in
             # the parameters' dtype, else a full buffer in the gather dtype); below it the
             # compute-dtype copies autocast makes (``cast``)
-            if value != nb:
+            if level >= 3 and value != nb:
                 gathered = nb - value if gathered == nb else gathered
             for d in sh.devices:
                 cp.mem[d] += value + ((part if level >= 1 else nb) * oc if trainable else 0)  # value, optimizer state
-                if value != nb:
+                if level >= 3 and value != nb:
                     cp.gathered[d] += gathered
                 else:
                     cp.cast[d] += cast
