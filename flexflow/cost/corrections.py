@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .model import CostModel
-from .profiledb import profiles_dir
+from .profiledb import _locked, profiles_dir  # (one lock file per database file)
 
 __all__ = [
     "FACTOR_RANGE",
@@ -186,21 +186,6 @@ def load_corrections(machine, graph_fingerprint: str, profile_dir=None) -> Corre
     except (TypeError, ValueError) as e:
         warnings.warn(f"ignoring the corrections of graph {graph_fingerprint} in {path}: {e}", stacklevel=2)
         return Corrections()
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    with open(str(path) + ".lock", "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def save_corrections(machine, graph_fingerprint: str, corrections: Corrections, profile_dir=None) -> Path:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import time
@@ -432,14 +433,10 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
             quiet = 0 if improved else quiet + 1
             i = (i + 1) % len(order)
         moved = False
-        for new, groups in levers.block_moves(state["cur"]) if levers is not None else ():
-            ok = attempt(new, groups)
-            if ok is None:
-                return False, state["screened"]
-            if ok:
-                moved = True
-                break
-        for new, groups in repeats.align_moves(state["cur"], levers) if repeats and not moved else ():
+        # whole-kind lever moves first, then the repeated blocks aligned (the first taken ends both)
+        sources = ([lambda: levers.block_moves(state["cur"])] if levers is not None else []) + \
+            ([lambda: repeats.align_moves(state["cur"], levers)] if repeats else [])
+        for new, groups in itertools.chain.from_iterable(f() for f in sources):  # (each made when reached)
             ok = attempt(new, groups)
             if ok is None:
                 return False, state["screened"]
