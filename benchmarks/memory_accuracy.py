@@ -13,8 +13,9 @@ Cases:
 - every zoo model at ``size="small"`` on one device, with sgd, momentum and adam;
 - data-parallel shards: the small models traced at a global batch of n x their batch and
   simulated under data parallelism on n = 2, 4 devices; device 0's prediction against the
-  module run at the per-device batch (the all-reduce buffers the prediction adds are not
-  in the plain module's step);
+  module run at the per-device batch, a view of the global batch held beside it (every
+  rank of a ParallelModule holds the global batch; the all-reduce buffers the prediction
+  adds are not in the plain module's step);
 - the paper-size models at a small batch, with adam (``--quick`` skips them).
 
 Training features (the section "Training features"; each rank's MemTracker peak against
@@ -63,7 +64,17 @@ PAPER_BATCH = {"lenet": 8, "alexnet": 2, "inception_v3": 2, "resnet101": 2, "rnn
                "nmt": 2, "transformer": 1}
 
 
-def measured_peak(module, inputs, optimizer: str) -> int:
+def _part(whole, local):
+    """``local``'s share of ``whole`` (the global batch): a view along the dim they differ in."""
+    for d, (a, b) in enumerate(zip(whole.shape, local.shape)):
+        if a != b:
+            return whole.narrow(d, 0, b)
+    return whole
+
+
+def measured_peak(module, inputs, optimizer: str, whole=None) -> int:
+    """The step's peak; with ``whole`` (the global batch) held, as every rank of a
+    data-parallel ParallelModule holds it, the step reading its share (a view)."""
     opt = OPTIMIZERS[optimizer](module.parameters())
 
     def step(xs):
@@ -74,7 +85,11 @@ def measured_peak(module, inputs, optimizer: str) -> int:
     mt = MemTracker()
     mt.track_external(module, opt)
     with mt:
-        step([x.clone() for x in inputs])
+        if whole is None:
+            step([x.clone() for x in inputs])
+        else:
+            held = [x.clone() for x in whole]
+            step([_part(w, x) for w, x in zip(held, inputs)])
     peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     return int(peak)
 
@@ -90,15 +105,15 @@ def case(name, size, batch, devices, optimizer) -> dict:
     torch.manual_seed(0)
     kw = {"size": size} if batch is None else {"size": size, "batch_size": batch}
     module, inputs = ff.models.get(name, **kw)
-    local = inputs
-    if devices > 1:  # the per-device shard of the global batch
-        module_g, inputs_g = ff.models.get(name, size=size, batch_size=devices * inputs[0].shape[0])
-        graph = ff.trace(module_g, inputs_g)
-        del module_g, inputs_g
+    local, whole = inputs, None
+    if devices > 1:  # the per-device shard of the global batch, which every rank holds
+        module_g, whole = ff.models.get(name, size=size, batch_size=devices * inputs[0].shape[0])
+        graph = ff.trace(module_g, whole)
+        del module_g
     else:
         graph = ff.trace(module, inputs)
     pred = predicted_peak(graph, devices, optimizer)
-    meas = measured_peak(module, local, optimizer)
+    meas = measured_peak(module, local, optimizer, whole)
     row = {"model": name, "size": size, "batch": int(local[0].shape[0]), "devices": devices,
            "optimizer": optimizer, "predicted_bytes": pred, "measured_bytes": meas,
            "error": (pred - meas) / meas, "seconds": time.perf_counter() - t0}
@@ -388,7 +403,8 @@ def write(rows, out: Path, commands: list, paper=None, rendered=False, features=
               "backward, optimizer step) after one untracked step; the batch copied inside the tracked step. "
               "Predicted: `Simulator(graph, Machine.preset('cpu', devices=n), optimizer=...).simulate("
               "Strategy.data_parallel(...)).peak_memory[0]`; for n > 1 the graph is traced at n times the "
-              "batch and the measurement runs the module at the per-device batch.  (The prediction for n > 1 "
+              "batch and the measurement holds that global batch (as every rank of a ParallelModule does) and "
+              "runs the module on its per-device share, a view.  (The prediction for n > 1 "
               "keeps the all-reduce bucket of the replicated gradients the whole step, as the executor and DDP "
               "do; the plain module's step has none, so those rows over-predict by about the gradient bytes. "
               "The section \"Training features\" measures data parallelism on real ranks.)"), "",

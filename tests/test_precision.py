@@ -163,7 +163,7 @@ def test_level3_gathers_bf16_and_lower_levels_hold_autocasts_copies():
         ctx = sims["bf16-mixed"].ctx
         plans = [ctx.cluster_plan(c, cfg) for c in range(len(ctx.clusters))]
         cast = sum(int(cp.cast[0]) for cp in plans)
-        gathered = sum(int(cp.gathered[0]) for cp in plans)
+        gathered = sum(int(cp.fval[0]) for cp in plans)
         if stage == 0:  # a bfloat16 copy of every parameter (weights and biases)
             assert cast == 2 * params and gathered == 0
         else:  # the full parameters gathered in bfloat16, no other copy

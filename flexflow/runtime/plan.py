@@ -63,7 +63,6 @@ from .shardplan import Slice, group_units, plan_units, shard_levels, slice_of
 __all__ = ["Plan", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB", "REDUCE_OUTPUTS"]
 
 BUCKET_CAP_MB = GRAD_BUCKET_BYTES / 2**20  # shared with the simulator's sync model
-SHARD_UNIT_MB = 1.0  # sharded regions gathered (and reduce-scattered) together, up to this size
 REDUCE_OUTPUTS = ("eager", "with_gradients")
 
 
@@ -293,7 +292,7 @@ class Plan:
             if qual in self.params and self.params[qual].requires_grad and len(self.shards[qual][2]) > 1:
                 self.shard_level[qual] = level
         self.unit_quals = group_units(self.graph, self.shard_level, self.shards,
-                                      {q: self.params[q] for q in self.shard_level}, SHARD_UNIT_MB * 2**20)
+                                      {q: self.params[q] for q in self.shard_level})
 
     def _make_flat(self) -> None:
         """Sharded regions: ``full[qual]`` holds the values the ops read, and

@@ -17,8 +17,9 @@ training loop.  What the replicas keep besides, by level:
   is reduce-scattered.
 
 At every level the full region is gathered from the slices (one all-gather
-per *unit*: consecutive sharded regions of one group of ranks, dtype and
-level, up to a few MiB, as FSDP wraps a block of layers; at levels 2-3 a
+per *unit*: the sharded regions of one shard group
+(:mod:`flexflow.strategy.units`: consecutive clusters of parameters up to a cap, as
+FSDP wraps a block of layers) with one group of ranks, dtype and level; at levels 2-3 a
 unit's gradients are reduce-scattered together too) whenever a slice changed since the last gather (the
 optimizer stepped) or the region was freed.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..graph.ir import OpGraph
+from ..strategy.units import shard_groups
 
 __all__ = ["Slice", "Unit", "group_units", "plan_units", "shard_levels", "slice_of"]
 
@@ -101,29 +103,23 @@ class Unit:
     keep: bool = False  # level 3: a user's output has no gradient, so it stays gathered to the end
 
 
-def group_units(graph: OpGraph, shard_level: dict, shards: dict, tensors: dict, cap_bytes: float) -> list[list]:
+def group_units(graph: OpGraph, shard_level: dict, shards: dict, tensors: dict, groups: dict | None = None) -> list[list]:
     """The sharded regions of a rank grouped into units, in graph order of their first
-    user: consecutive regions of one group of ranks, dtype and level, up to ``cap_bytes``
-    of full regions a unit (FSDP wraps a block of layers the same way).  Every member of a
-    group forms the same units (the same regions, the same order)."""
+    user: the regions of one shard group (:func:`flexflow.strategy.units.shard_groups`,
+    consecutive clusters of parameters up to a cap, as FSDP wraps a block of layers)
+    with one group of ranks, dtype and level.  Every member of a group of ranks forms the
+    same units (the same regions, the same order)."""
+    groups = shard_groups(graph) if groups is None else groups
     first: dict[str, int] = {}
     for i, op in enumerate(graph.ops):
         for q in op.params.values():
             if q in shard_level:
                 first.setdefault(q, i)
-    units: list[list] = []
-    open_: dict[tuple, tuple] = {}  # (key, dtype, level) -> (unit, bytes)
+    units: dict[tuple, list] = {}
     for q in sorted(first, key=lambda q: (first[q], q)):
         t = tensors[q]
-        k = (shards[q][2], str(t.dtype), shard_level[q])
-        unit, size = open_.get(k, (None, 0))
-        if unit is None:
-            unit = []
-            units.append(unit)
-        unit.append(q)
-        size += t.numel() * t.element_size()
-        open_[k] = (unit, size) if size < cap_bytes else (None, 0)
-    return units
+        units.setdefault((groups.get(q, -1), shards[q][2], str(t.dtype), shard_level[q]), []).append(q)
+    return list(units.values())
 
 
 def plan_units(program, unit_quals: list, shard_level: dict, shards: dict, slices: dict) -> list[Unit]:

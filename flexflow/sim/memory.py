@@ -11,7 +11,8 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   at a shard level (``ParallelConfig.shard``) the n replicas of a shard keep a 1/n slice of
   its optimizer state (level 1), of its gradient too (2), of the parameter too (3); at
   level 3 the full parameter also lives over its users' forward and over their backward;
-- graph inputs and constants a device reads, the whole step;
+- the graph's inputs, whole on every device (every rank holds the global batch it hands
+  the module), and the constants a device reads, the whole step;
 - an op's output, from its forward to its last use: the last forward that reads it, or the
   backward of the last op that saves it (``_SAVES``: which inputs each op kind keeps for its
   backward, whether it keeps its output, and what more it keeps -- max-pool indices, dropout
@@ -200,10 +201,16 @@ class Liveness:
         self.use_ops = [sorted({v for v, _ in us}) for us in self.uses]
         self._rows: dict = {}
         self._rowkey = [(o,) if ctx.kind[o] < 0 else
-                        (ctx.kind[o],) + tuple((ctx.everywhere[u], str(ops[u].dtype)) for u in ctx.inputs[o])
+                        (ctx.kind[o],) + tuple((ctx.everywhere[u] and ops[u].kind != "input", str(ops[u].dtype))
+                                               for u in ctx.inputs[o])
                         for o in range(n)]
         self._ev: dict = {}
+        self._gev: dict = {}  # (shard group, its clusters' plans) -> events (plans live in ctx._cluster)
         self._foreach = [d.spec.kind.lower() != "cpu" for d in ctx.machine.devices]
+        # the graph's inputs: every rank holds the whole global batch (a ParallelModule's
+        # forward takes the same global inputs on every rank), the whole step
+        self.input_bytes = sum(int(np.prod(op.output_shape, dtype=np.int64)) * dtype_bytes(op.dtype)
+                               for op in ops if op.kind == "input")
 
     # ---- per-device byte rows of one op under one config --------------------------------
     def rows(self, o: int, cfg):
@@ -234,7 +241,7 @@ class Liveness:
                 nb = region_numel(reg) * dtype_bytes(ctx.cops[u].dtype)
                 if j == 0:
                     in0[d] += nb if in0_bpe is None else region_numel(reg) * in0_bpe
-                if ctx.everywhere[u]:
+                if ctx.everywhere[u] and ctx.ops[u].kind != "input":
                     gin[d] += nb
         r = self._rows[key] = (out, in0, gin, on)
         return r
@@ -384,25 +391,88 @@ class Liveness:
         state the whole step, and the all-reduce buckets (kept from step to step, as the
         executor and DDP keep them; the synced gradients are views of them); gradients
         from the last user's backward, to the update, or for all-reduced ones to the
-        first user's backward (where they are copied into the bucket); a reduce-scatter's
-        input at the first user's backward."""
+        first user's backward (where they are copied into the bucket).  What sharded
+        replicas gather and reduce-scatter is their gather unit's (:meth:`group_events`)."""
         n = self.n
         us, _ = self.ctx.clusters[c]
         pos, rows = [0, self.npos - 1], [cp.mem + cp.kept, -(cp.mem + cp.kept)]
         g0 = 2 * n - 1 - max(us)
         b = 2 * n - 1 - min(us)
         own = cp.grad - cp.ar_grad  # gradients not all-reduced: to the update
+        if cp.level >= 2:
+            own = own - cp.sl  # (the reduce-scattered slices: the unit's)
         pos += [g0, self.npos - 1, g0, b + 1]
         rows += [own, -own, cp.ar_grad, -cp.ar_grad]
-        pos += [b, b + 1]
-        rows += [cp.synced, -cp.synced]
-        if cp.gathered.any():  # shard level 3: the full parameters from the first user's forward
-            f0, f1 = min(us), max(us)  # to the last's, and again over the users' backward
-            pos += [f0, f1 + 1, g0, b + 1]
-            rows += [cp.gathered, -cp.gathered, cp.gathered, -cp.gathered]
         if cp.cast.any():  # *-mixed: autocast's compute-dtype copies of the parameters, cached
             pos += [min(us), b + 1]  # from the first use and saved for the backward (linear's
             rows += [cp.cast, -cp.cast]  # weight) until the first user's backward
+        return np.array(pos, np.int64), np.stack(rows)
+
+    def group_events(self, g: int, plans) -> tuple:
+        key = (g,) + tuple(id(plans[c]) for c in self.ctx.sgroup_clusters[g])
+        ev = self._gev.get(key)
+        if ev is None:
+            ev = self._gev[key] = self._group_events(g, plans)
+        return ev
+
+    def _group_events(self, g: int, plans) -> tuple:
+        """Events of shard group g's gather units (one per shard level among its clusters'
+        plans, ``plans``: cluster -> plan), as the executor runs them
+        (:mod:`flexflow.runtime.shard`, :mod:`flexflow.runtime.sync`):
+
+        - every forward (levels 1-3) the unit is all-gathered: a send buffer of the slices
+          and, where the unit has more than one region or a padded slice, a receive buffer
+          of the full unit (else the gather lands in the region itself), from where the
+          gather is prefetched (the first use of the group before) to the unit's first use;
+        - level 3: the full parameters from the gather to the last forward use, and again
+          from the backward gather (prefetched at the backward of the group read just
+          after in the forward) to the reduce-scatter;
+        - levels 2-3: the full gradients autograd makes, from each cluster's last user's
+          backward to the reduce-scatter at the unit's first user's backward; the
+          reduce-scatter's input (the gradients laid out rank-major: a copy where the unit
+          has several regions or a padded slice, else the gradient itself) until it is
+          drained, two reduce-scatters later; the slices it yields (the gradients the
+          optimizer reads) from there to the update."""
+        ctx, n = self.ctx, self.n
+        pos, rows = [], []
+
+        def live(a, b, row):
+            if row.any():
+                pos.extend((a, b + 1))
+                rows.extend((row, -row))
+
+        members = ctx.sgroup_clusters[g]
+        for level in (1, 2, 3):
+            cs = [c for c in members if plans[c].level == level and plans[c].nreg.any()]
+            if not cs:
+                continue
+            first = min(ctx.clusters[c][0][0] for c in cs)
+            last = max(ctx.clusters[c][0][-1] for c in cs)
+            full = sum(plans[c].fval for c in cs)
+            send = sum(plans[c].slg for c in cs)
+            copy = (sum(plans[c].nreg for c in cs) > 1) | np.logical_or.reduce([plans[c].padded for c in cs])
+            recv = np.where(copy, full, 0)
+            lf = min(ctx.sgroup_prefetch_f[g], first)
+            live(lf, first, send + recv)
+            b = 2 * n - 1 - first
+            if level >= 3:
+                live(lf, last, full - recv)  # straight into the regions: from the launch
+                live(first, last, recv)
+                lb = 2 * n - 1 - max(ctx.sgroup_prefetch_b[g], last)
+                live(lb, 2 * n - 1 - last, send + recv)
+                live(lb, b, full - recv)
+                live(2 * n - 1 - last, b, recv)
+            if level >= 2:
+                for c in cs:
+                    live(2 * n - 1 - max(ctx.clusters[c][0]), b, plans[c].fgrad)
+                grads = sum(plans[c].fgrad for c in cs)
+                drain = max(ctx.sgroup_drain[g], b)
+                live(b, drain, np.where(copy, grads, 0))
+                if drain > b:
+                    live(b + 1, drain, np.where(copy, 0, grads))
+                live(b, self.update_pos, sum(plans[c].sl for c in cs))
+        if not pos:
+            return np.zeros(0, np.int64), np.zeros((0, ctx.D), np.int64)
         return np.array(pos, np.int64), np.stack(rows)
 
     def update_temp(self, maxshard: np.ndarray, train: np.ndarray) -> np.ndarray:

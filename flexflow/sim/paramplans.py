@@ -25,8 +25,9 @@ class _SubGraph:
 
 class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
-    __slots__ = ("syncs", "upd", "mem", "grad", "synced", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
-                 "bucket_bytes", "gathered", "cast", "kept", "ar_grad")
+    __slots__ = ("syncs", "upd", "mem", "grad", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
+                 "bucket_bytes", "cast", "kept", "ar_grad",
+                 "level", "fval", "fgrad", "sl", "slg", "nreg", "padded")
 
 
 class ParamPlanning:
@@ -86,11 +87,20 @@ class ParamPlanning:
         cp.syncs, cp.upd = [], {}
         cp.mem = np.zeros(D, np.int64)       # values (parameters, buffers) + optimizer state
         cp.grad = np.zeros(D, np.int64)      # parameter gradients
-        cp.synced = np.zeros(D, np.int64)    # gradients reduce-scattered (levels 2-3: the send buffer)
         cp.kept = np.zeros(D, np.int64)      # all-reduce buckets, kept step to step (the synced gradients)
         cp.ar_grad = np.zeros(D, np.int64)   # all-reduced gradients as autograd makes them (of cp.grad)
         cp.maxshard = np.zeros(D, np.int64)  # largest trainable shard (optimizer temporaries)
-        cp.gathered = np.zeros(D, np.int64)  # shard level 3: full parameters while the users run
+        # sharded replicas (levels 1-3), what the gather units are made of (memory.py's
+        # Liveness.group_events): the full parameters in the all-gather dtype, their full
+        # gradients as autograd makes them, the flat slices (parameter and gather dtypes),
+        # the number of sharded regions and whether any slice is padded
+        cp.level = level
+        cp.fval = np.zeros(D, np.int64)
+        cp.fgrad = np.zeros(D, np.int64)
+        cp.sl = np.zeros(D, np.int64)
+        cp.slg = np.zeros(D, np.int64)
+        cp.nreg = np.zeros(D, np.int64)
+        cp.padded = np.zeros(D, bool)
         cp.cast = np.zeros(D, np.int64)      # *-mixed: the parameters cast to the compute dtype
         cp.busy = np.zeros(self.R, np.int64)
         cp.sync_bytes = 0
@@ -148,16 +158,19 @@ class ParamPlanning:
             # level 3 keeps the slice only; levels 1-2 the full parameter the ops read and the
             # flat slice the optimizer updates (the executor's own tensor)
             value = part if level >= 3 else nb + part if level and n > 1 else nb
-            # level 3 gathers the full parameter (its own slice reused when the gather is in
-            # the parameters' dtype, else a full buffer in the gather dtype); below it the
-            # compute-dtype copies autocast makes (``cast``)
-            if level >= 3 and value != nb:
-                gathered = nb - value if gathered == nb else gathered
+            # level 3 gathers the full parameter into storage of its own (the gather units,
+            # memory.py); below it the compute-dtype copies autocast makes (``cast``)
+            sharded = bool(level and n > 1)
             for d in sh.devices:
                 cp.mem[d] += value + ((part if level >= 1 else nb) * oc if trainable else 0)  # value, optimizer state
-                if level >= 3 and value != nb:
-                    cp.gathered[d] += gathered
-                else:
+                if sharded:
+                    cp.fval[d] += gathered
+                    cp.fgrad[d] += nb
+                    cp.sl[d] += part
+                    cp.slg[d] += -(-gathered // n)
+                    cp.nreg[d] += 1
+                    cp.padded[d] |= part * n != nb
+                if not (level >= 3 and sharded):
                     cp.cast[d] += cast
             if not trainable or nb <= 0:
                 continue
@@ -166,9 +179,7 @@ class ParamPlanning:
             for d in sh.devices:
                 cp.grad[d] += grad
                 cp.maxshard[d] = max(cp.maxshard[d], upd)
-                if sync >= 0 and level >= 2:
-                    cp.synced[d] += reduced  # the reduce-scatter's input, in the reduce dtype
-                elif sync >= 0:
+                if sync >= 0 and level < 2:
                     # the all-reduce bucket (reduce dtype) that the executor, as DDP, keeps from step
                     # to step and hands the synced gradients out of; autograd's own until it
                     cp.kept[d] += reduced

@@ -23,6 +23,7 @@ from ..strategy.regions import (
     pick_replica,
     validate_config,
 )
+from ..strategy.units import shard_groups
 from .memory import Liveness, optimizer_state_copies
 from .paramplans import ParamPlanning
 from .taskkeys import (
@@ -145,6 +146,7 @@ class Context(ParamPlanning):
         self.first_clusters = [[] for _ in ops]  # op -> clusters whose first user it is
         for c, (us, _) in enumerate(self.clusters):
             self.first_clusters[us[0]].append(c)
+        self._shard_groups(graph)
         if len(self.param_names) >= 1 << _AB:
             raise ValueError("too many parameters for the simulator")
         D = self.D = machine.num_devices
@@ -176,6 +178,35 @@ class Context(ParamPlanning):
         self._xfer: dict = {}
         self._xtab = None  # (see _transfer_tables)
         self.live = Liveness(self, optimizer)  # memory by liveness (memory.py)
+
+    def _shard_groups(self, graph) -> None:
+        """The executor's gather units (:func:`flexflow.strategy.units.shard_groups`) over the
+        clusters: ``cluster_sgroup[c]`` (-1: buffers only), ``sgroup_clusters[g]``, and per
+        group the static neighbours the memory model needs: the first use of the group
+        before it (where its forward gather is prefetched, 0 for the first), the last
+        forward use of the group whose backward comes just before (where its backward
+        gather is prefetched, -1 for none), and the backward position of the
+        reduce-scatter two after its own (where its reduce-scatter is drained)."""
+        sg = shard_groups(graph)
+        self.cluster_sgroup = [min((sg[self.param_names[pi]] for pi in pidx if self.param_names[pi] in sg),
+                                   default=-1) for _, pidx in self.clusters]
+        ng = max(self.cluster_sgroup, default=-1) + 1
+        self.sgroup_clusters = [[] for _ in range(ng)]
+        for c, g in enumerate(self.cluster_sgroup):
+            if g >= 0:
+                self.sgroup_clusters[g].append(c)
+        n = len(self.ops)
+        first = [min(self.clusters[c][0][0] for c in cs) for cs in self.sgroup_clusters]
+        last = [max(self.clusters[c][0][-1] for c in cs) for cs in self.sgroup_clusters]
+        self.sgroup_prefetch_f = [first[g - 1] if g else 0 for g in range(ng)]
+        self.sgroup_prefetch_b = [-1] * ng
+        by_last = sorted(range(ng), key=lambda g: -last[g])
+        for a, b in zip(by_last, by_last[1:]):
+            self.sgroup_prefetch_b[b] = last[a]
+        by_gate = sorted(range(ng), key=lambda g: -first[g])
+        self.sgroup_drain = [2 * n - 1] * ng
+        for i, g in enumerate(by_gate[:-2]):
+            self.sgroup_drain[g] = 2 * n - 1 - first[by_gate[i + 2]]
 
     # ---- cached plans ---------------------------------------------------------------------
     def template(self, o: int, cfg) -> _Tmpl:

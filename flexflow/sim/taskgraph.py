@@ -97,8 +97,11 @@ class TaskGraph(_Patching):
         self.CLTRAIN = np.zeros((nc, D), np.int64)  # trainable bytes per cluster
         # memory by liveness: allocations (+) and frees (-) per position and device
         self.MEMDIFF = np.zeros((ctx.live.npos, D), np.int64)
+        self.MEMDIFF[0] += ctx.live.input_bytes  # the global inputs, on every rank the whole step
+        self.MEMDIFF[-1] -= ctx.live.input_bytes
         self.MEV = [None] * n      # op -> its memory events (positions, rows)
         self.CEV = [None] * nc     # cluster -> its memory events
+        self.GEV = [None] * len(ctx.sgroup_clusters)  # shard group -> its gather units' events
         self.CLBUSY = np.zeros((nc, R), np.int64)
         self.CLSYNC = np.zeros(nc, np.int64)
         self.CLPS = np.zeros(nc, np.int64)  # parameter-server sync picoseconds (sync="ps")
@@ -154,10 +157,13 @@ class TaskGraph(_Patching):
         live, cfg = ctx.live, self.cfg
         evs = [live.op_events(o, cfg) for o in comp]
         evs += [live.cluster_events(c, self.CPLAN[c]) for c in range(nc)]
+        evs += [live.group_events(g, self.CPLAN) for g in range(len(self.GEV))]
         for o, ev in zip(comp, evs):
             self.MEV[o] = ev
         for c in range(nc):
             self.CEV[c] = evs[len(comp) + c]
+        for g in range(len(self.GEV)):
+            self.GEV[g] = evs[len(comp) + nc + g]
         if evs:
             np.add.at(self.MEMDIFF, np.concatenate([e[0] for e in evs]), np.concatenate([e[1] for e in evs]))
         self.OPSUM[:] = self.OPBUSY.sum(0)
@@ -245,6 +251,9 @@ class TaskGraph(_Patching):
             self.CLMAXSH[c] = cp.maxshard
             self.CLTRAIN[c] = cp.grad
             self._set_events(self.CEV, c, self.ctx.live.cluster_events(c, cp))
+            g = self.ctx.cluster_sgroup[c]
+            if g >= 0:
+                self._set_events(self.GEV, g, self.ctx.live.group_events(g, self.CPLAN))
             self.CLSUM += cp.busy - self.CLBUSY[c]
             self.CLBUSY[c] = cp.busy
             self.sync_sum += int(cp.sync_bytes) - int(self.CLSYNC[c])
