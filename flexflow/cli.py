@@ -222,7 +222,7 @@ def _strategy_arg(name, graph, machine, precision="32-true"):
             return optcnn(graph, machine)
         from .cost.model import CostModel
         from .cost.precision import priced_cost_model
-        return optcnn(graph, machine, priced_cost_model(CostModel(machine), precision))
+        return optcnn(graph, machine, priced_cost_model(CostModel(machine), precision, graph))
     if not os.path.isfile(name):
         raise CLIError(f"--strategy {name!r}: not a built-in (data_parallel, model_parallel, "
                        "expert, optcnn) and no such file")

@@ -25,13 +25,14 @@ them (``cross_entropy``, ``log_softmax``, ``mse_loss`` are on its float32 list).
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..graph.ir import Op
 
-__all__ = ["Precision", "PRECISIONS", "precision", "priced_op", "priced_cost_model"]
+__all__ = ["Precision", "PRECISIONS", "precision", "priced_op", "priced_ops", "priced_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,13 @@ def precision(name) -> Precision:
 def priced_op(op: Op, prec: Precision) -> Op:
     """``op`` as it runs under ``prec``: a shallow copy whose floating output and input dtypes
     are the compute dtype (float32 for a loss under ``*-mixed``), for the cost model's key
-    and analytic rates and for activation bytes.  ``op`` itself under ``32-true`` or where
-    nothing changes.  Cached on the op per precision."""
+    and analytic rates and for activation bytes; where its graph was priced
+    (:func:`priced_ops`), the dtypes autocast gives it there.  ``op`` itself under
+    ``32-true`` or where nothing changes.  Cached on the op per precision."""
     if prec.native:
         return op
     views = op.__dict__.setdefault("_precision_views", {})
-    v = views.get(prec.name)
+    v = views.get(prec.name + "@graph") or views.get(prec.name)
     if v is None:
         if prec.mixed and op.everywhere:
             to = None  # inputs and constants stay as given; autocast casts them where used
@@ -113,6 +115,71 @@ def priced_op(op: Op, prec: Precision) -> Op:
             v.__dict__ = {k: x for k, x in op.__dict__.items() if k not in ("_cost_key", "_precision_views")}
             v.dtype, v.input_dtypes = out, ins
         views[prec.name] = v
+    return v
+
+
+# rules autocast runs in its lower dtype (its "lower precision" list: matrix products,
+# convolutions, attention), casting their floating inputs
+LOWERED_RULES = frozenset({"linear", "linear_t", "matmul", "conv", "attention"})
+# op kinds with parameters whose output follows input 0's dtype (the parameters do not
+# promote it): normalizations and the recurrent cell, as torch runs them under autocast
+_FOLLOW_INPUT0 = frozenset({"layer_norm", "rms_norm", "batch_norm", "group_norm", "instance_norm", "lstm_cell"})
+
+
+def _autocast_dtypes(graph, prec: Precision) -> dict:
+    """op name -> (output dtype, input dtypes) under ``*-mixed``, as ``torch.autocast``
+    computes them: the lowered rules in the compute dtype (their floating inputs cast to
+    it), the losses in float32, normalizations and the recurrent cell in their input's
+    dtype, embeddings in their table's; every other op by type promotion over its floating
+    inputs and parameters (a residual sum of a float32 stream and a bfloat16 branch, or a
+    product with a float32 weight, is float32).  Inputs and constants keep their dtype."""
+    out: dict = {}
+    for op in graph.ops:
+        ins = [out[s][0] if s in out else d for s, d in zip(op.inputs, op.input_dtypes)]
+        if op.everywhere or not op.dtype.is_floating_point:
+            t = op.dtype
+        elif op.rule in _FLOAT32_RULES:
+            t = _F32
+            ins = [_cast(d, _F32) for d in ins]
+        elif op.rule in LOWERED_RULES:
+            t = prec.compute
+            ins = [_cast(d, prec.compute) for d in ins]
+        elif op.kind in _FOLLOW_INPUT0 and ins and ins[0].is_floating_point:
+            t = ins[0]
+        elif op.kind == "embedding":
+            t = op.dtype
+        else:
+            floats = [d for d in ins if d.is_floating_point] + ([op.dtype] if op.params else [])
+            t = functools.reduce(torch.promote_types, floats) if floats else op.dtype
+        out[op.name] = (t, ins)
+    return out
+
+
+def priced_ops(graph, prec: Precision) -> list:
+    """Every op of ``graph`` as it runs under ``prec`` (:func:`priced_op`); under ``*-mixed``
+    each op's dtypes follow autocast through the graph (:func:`_autocast_dtypes`).  The
+    views are cached on the ops, so a later :func:`priced_op` of one of them agrees."""
+    if prec.native:
+        return list(graph.ops)
+    if not prec.mixed:
+        return [priced_op(op, prec) for op in graph.ops]
+    dts = _autocast_dtypes(graph, prec)
+    res = []
+    for op in graph.ops:
+        views = op.__dict__.setdefault("_precision_views", {})
+        v = views.get(prec.name + "@graph")
+        if v is None:
+            v = views[prec.name + "@graph"] = _view(op, *dts[op.name])
+        res.append(v)
+    return res
+
+
+def _view(op: Op, out, ins) -> Op:
+    if out == op.dtype and list(ins) == list(op.input_dtypes):
+        return op
+    v = copy.copy(op)
+    v.__dict__ = {k: x for k, x in op.__dict__.items() if k not in ("_cost_key", "_precision_views")}
+    v.dtype, v.input_dtypes = out, list(ins)
     return v
 
 
@@ -133,8 +200,11 @@ class _PricedCostModel:
         return getattr(self._cm, name)
 
 
-def priced_cost_model(cost_model, name):
+def priced_cost_model(cost_model, name, graph=None):
     """``cost_model`` pricing ops under precision ``name`` (itself under ``32-true``), for
-    callers that time ops directly (the OptCNN baseline)."""
+    callers that time ops directly (the OptCNN baseline); with ``graph``, its ops priced
+    as they run in it (:func:`priced_ops`)."""
     prec = precision(name)
+    if graph is not None and not prec.native:
+        priced_ops(graph, prec)
     return cost_model if prec.native or cost_model is None else _PricedCostModel(cost_model, prec)

@@ -139,7 +139,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         base, base_res = hit
     else:
         base = dict(baselines) if baselines is not None else baseline_strategies(
-            graph, machine, priced_cost_model(cm, precision), candidates=candidates, shard=shard, memory=False)
+            graph, machine, priced_cost_model(cm, precision, graph), candidates=candidates, shard=shard, memory=False)
     missing = [k for k in BASELINES if k not in base]
     if missing:
         raise SearchError(f"baselines lack {missing}")

@@ -191,6 +191,11 @@ class Liveness:
             if self.savers[o]:
                 self.rc_pos[o] = 2 * n - 1 - max(self.savers[o])
             self.rc_real[o] = bool(self.savers[o]) or (self.rg[o] and (sv.output or bool(sv.extra[0])))
+        self._owner = list(range(n))  # op -> the op whose output storage it views (itself)
+        for o in range(n):
+            if self.view[o]:
+                u = ctx.inputs[o][0]
+                self._owner[o] = self._owner[u] if u < o else u
         self.dependents = [{v} for v in range(n)]
         for o in ctx.compute:
             for u in ctx.producers[o]:
@@ -246,6 +251,29 @@ class Liveness:
         r = self._rows[key] = (out, in0, gin, on)
         return r
 
+    def casts(self, v: int, j: int, o: int) -> bool:
+        """Under ``*-mixed``: op v reads input j (op o's output, or a view of it) as a copy
+        in another dtype (autocast casts a lowered op's float32 input to the compute dtype;
+        a loss casts its logits to float32): v keeps that copy, not o's output."""
+        ctx = self.ctx
+        if not ctx.precision.mixed:
+            return False
+        ins = ctx.cops[v].input_dtypes
+        return j < len(ins) and ins[j] != ctx.cops[o].dtype and ins[j].is_floating_point
+
+    def cast_bytes(self, v: int, cfg, j: int) -> np.ndarray:
+        """Bytes per device of op v's copy of its input j in the dtype it reads it in."""
+        key = ("cast", self._rowkey[v], cfg, j)
+        r = self._rows.get(key)
+        if r is None:
+            r = np.zeros(self.ctx.D, np.int64)
+            bpe = dtype_bytes(self.ctx.cops[v].input_dtypes[j])
+            for p in partitions(self.ctx.ops[v], cfg):
+                if p.inputs[j] is not None:
+                    r[p.device] += region_numel(p.inputs[j]) * bpe
+            self._rows[key] = r
+        return r
+
     # ---- events -------------------------------------------------------------------------
     def op_events(self, o: int, cfg: list):
         """Memory events of op o; ``cfg``: op index -> config."""
@@ -285,7 +313,7 @@ class Liveness:
                     np.maximum(keep, B, out=keep)
                 for v, j in self.uses[o]:
                     s = _saves(ops[v])
-                    if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
+                    if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs) and not self.casts(v, j, o):
                         _, _, _, von = self.rows(v, cfg[v])
                         np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
                     elif cfg[v].recompute and self.rc_real[v]:  # v's checkpoint holds its inputs to its backward
@@ -316,6 +344,14 @@ class Liveness:
                 live(self.rc_pos[o], self.rc_pos[o], (unit[sv.fwd_temp[1]] * sv.fwd_temp[0]).astype(np.int64))
         if sv.bwd_temp[0] and rg[o]:
             live(B, B, (unit[sv.bwd_temp[1]] * sv.bwd_temp[0]).astype(np.int64))
+        # under *-mixed, the copies autocast makes of inputs in another dtype: saved ones
+        # to the backward, the others for the op's forward
+        if ctx.precision.mixed and not self.view[o]:
+            for j, u in enumerate(ctx.inputs[o]):  # (the graph's inputs too: a first conv's batch)
+                w = self._owner[u]
+                if w >= 0 and self.casts(o, j, w):
+                    saved = rg[o] and (sv.inputs == "all" or j in sv.inputs)
+                    live(F, B if saved else F, self.cast_bytes(o, cfg[o], j))
         # input regions received from other devices (and their gradients, sent back)
         saved_in = sv.inputs
         for j in ctx.ext_inputs[o]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cost.precision import precision as _precision
-from ..cost.precision import priced_op
+from ..cost.precision import priced_ops
 from ..graph.ir import dtype_bytes
 from ..graph.ops import picks_stacked_part
 from ..graph.ops.base import region_numel
@@ -96,7 +96,7 @@ class Context(ParamPlanning):
         self.xfer_lag_ps = _ps(self.xfer_lag_s) if self.xfer_lag_s > 0 else 0
         ops = self.ops = graph.ops
         # the ops as priced under the precision (the traced ops themselves under 32-true)
-        self.cops = [priced_op(op, self.precision) for op in ops]
+        self.cops = priced_ops(graph, self.precision)
         n = len(ops)
         if n >= 1 << _AB:
             raise ValueError(f"graph has {n} ops; the simulator handles at most {(1 << _AB) - 1}")
