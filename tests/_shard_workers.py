@@ -107,3 +107,40 @@ def recompute_same(rank: int, seed: int) -> dict:
         out[name] = (losses, {k: v.clone() for k, v in par.state_dict().items()})
     (l0, s0), (l1, s1) = out["plain"], out["recomputed"]
     return {"losses": (l0, l1), "err": max(float((s0[k] - s1[k]).abs().max()) for k in s0)}
+
+
+def peaks_by_stage(rank: int, name: str) -> dict:
+    """Per stage (0 = data parallelism): this rank's MemTracker peak over one AdamW step
+    (after one untracked step) and the simulator's prediction for its device."""
+    import gc
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    module, inputs = ff.models.get(name, size="small")
+    graph = ff.trace(module, inputs)
+    m = Machine.preset("cpu", devices=dist.get_world_size())
+    sim = ff.Simulator(graph, m, optimizer="adam", reduce_outputs="eager")
+    out = {}
+    for stage in (0, 1, 2, 3):
+        s = ff.Strategy.zero(graph, m, stage)
+        par = ff.parallelize(module, example_inputs=inputs, strategy=s, machine=m, reduce_outputs="eager",
+                             optimizer="adam")
+        opt = torch.optim.AdamW(par.parameters(), lr=1e-4)
+
+        def step():
+            xs = [x.clone() for x in inputs]
+            opt.zero_grad()
+            par(*xs).backward()
+            opt.step()
+        step()
+        mt = MemTracker()
+        mt.track_external(par, opt)
+        with mt:
+            step()
+        out[stage] = (int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]),
+                      int(sim.simulate(s).peak_memory[rank]))
+        del par, opt, step
+        gc.collect()
+    return out

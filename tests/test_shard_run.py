@@ -33,3 +33,15 @@ def test_recomputation_redraws_the_same_dropout_and_trains_the_same(seed):
         (plain, recomputed), err = r["losses"], r["err"]
         assert plain == recomputed and err == 0.0, (plain, recomputed, err)
         assert len(set(plain)) == 3  # (it trained)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "alexnet"])
+def test_each_stages_measured_peak_is_what_the_simulator_predicts(name):
+    """MemTracker's peak of a ParallelModule's step on each of 2 ranks at every stage
+    (gather units, their buffers and prefetch, gradients until their reduce-scatter, the
+    global batch on every rank) within 10% of the simulator's prediction for its device."""
+    results = launch(W.peaks_by_stage, 2, name, timeout_s=300)
+    for r in results:
+        for stage, (measured, predicted) in r.items():
+            assert abs(predicted - measured) <= 0.1 * measured, (stage, measured, predicted)
