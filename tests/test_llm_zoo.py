@@ -103,8 +103,8 @@ def test_small_trains_traces_and_equals_the_module(name):
         torch.testing.assert_close(run_graph(graph, module, inputs, ff.Strategy.random(graph, machine, seed)), ref)
 
 
-def _layer_bytes(cls, cfg, seq):
-    """Activation bytes of one block at micro-batch 4 under bf16-mixed, from the simulated
+def _layer_bytes(cls, cfg, seq, precision="bf16-true"):
+    """Activation bytes of one block at micro-batch 4 under ``precision``, from the simulated
     peaks: (3 blocks - 2 blocks) at batch 8 less the same at batch 4 (parameters cancel)."""
     m = ff.Machine.preset("h100-node", devices=1).with_memory(10**15)
     peak = {}
@@ -115,7 +115,7 @@ def _layer_bytes(cls, cfg, seq):
         for b in (4, 8):
             x = torch.zeros(b, seq, dtype=torch.int64, device="meta")
             g = ff.trace(module, (x, x))
-            peak[layers, b] = Simulator(g, m, precision="bf16-mixed").simulate(
+            peak[layers, b] = Simulator(g, m, precision=precision).simulate(
                 ff.Strategy.data_parallel(g, m)).peak_memory[0]
     return (peak[3, 8] - peak[3, 4]) - (peak[2, 8] - peak[2, 4])
 
@@ -125,11 +125,15 @@ def test_activation_memory_is_the_published_per_layer_formula():
     """Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes a layer; fused attention drops the
     a*s^2 terms and, without dropout, the two 1-byte masks: 32*s*b*h for GPT-2.  LLaMA's block
     keeps its two norms' inputs and outputs (8sbh), q, k and v at all heads and the attention's
-    output (8sbh) and the SwiGLU's four f-wide tensors (8*s*b*f)."""
+    output (8sbh) and the SwiGLU's four f-wide tensors (8*s*b*f).  The formula is for a
+    module in 16 bits (Megatron's), here bf16-true; under torch.autocast (bf16-mixed) the
+    residual stream stays float32, so each of GPT-2's two LayerNorms saves a 4-byte input
+    instead of a 2-byte one: 36*s*b*h."""
     s, b = 512, 4
     for size in ("124m", "1.5b"):
         cfg = gpt2_config(size)
         assert _layer_bytes(GPT2, cfg, s) == 32 * s * b * cfg.width
+        assert _layer_bytes(GPT2, cfg, s, "bf16-mixed") == 36 * s * b * cfg.width
     cfg = llama_config("1b")
     assert _layer_bytes(Llama, cfg, s) == s * b * (16 * cfg.width + 8 * cfg.hidden)
 
