@@ -134,7 +134,10 @@ def test_recompute_lowers_a_transformers_peak_and_costs_about_its_forward(transf
     # op's checkpoint holds its inputs, a recomputed producer's output among them)
     linears = [op for op in picked if op.kind == "linear"]
     r1 = sim.simulate(_with_recompute(dp, linears), incremental=False)
-    assert max(r1.peak_memory) < 0.8 * max(r0.peak_memory)
+    # (q, k and v save little: the attention's matmuls keep copies of their own, re-laid
+    # by head, not the projections' outputs; measured on this CPU the step's peak drops by
+    # about a tenth, benchmarks/results/memory_accuracy.md)
+    assert max(r1.peak_memory) < 0.9 * max(r0.peak_memory)
     # every device runs a quarter of each op: the step grows by about one partition's forwards
     cm = sim.cost_model
     fwd = sum(cm.op_time(op, partitions(op, dp[op.name])[0], 0)[0] for op in linears)

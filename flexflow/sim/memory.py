@@ -38,6 +38,10 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   gradients are views of it): the whole step; autograd's gradients of those shards live
   until the bucket is complete.  A reduce-scatter's input (levels 2-3) is a transient where
   its bucket is complete;
+- copies an op makes of an input and keeps in its place: autocast's in another dtype
+  (``*-mixed``), and torch's ``matmul``'s of an operand whose batch dims cannot be
+  flattened as a view (a head-split projection transposed to (batch, heads, seq, dim));
+  on CPU devices an RMSNorm's x * rstd (torch runs it unfused there);
 - transients inside an op (an LSTM cell's two gate products before they are added, the
   gradient of a loss's log-softmax) and the optimizer step's temporaries (Adam: two
   copies of the largest shard, one at a time, on CPUs; one copy of every shard at once where
@@ -56,11 +60,14 @@ simulation and a full one give the same figures.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..graph.ir import dtype_bytes
 from ..graph.ops.base import region_numel
 from ..strategy.regions import partitions
+from .unitmem import UnitEvents
 
 __all__ = ["OPTIMIZERS", "optimizer_state_copies", "Liveness"]
 
@@ -139,7 +146,21 @@ def _saves(op) -> _Saves:
     return _SAVES.get(op.kind, _OPAQUE)
 
 
-class Liveness:
+def _contiguous(shape: tuple) -> tuple:
+    st, acc = [], 1
+    for x in reversed(shape):
+        st.append(acc)
+        acc *= max(x, 1)
+    return tuple(reversed(st))
+
+
+def _flattens(shape: tuple, strides: tuple) -> bool:
+    """Whether dims ``shape`` with ``strides`` merge into one as a view (size-1 dims aside)."""
+    dims = [(x, s) for x, s in zip(shape, strides) if x != 1]
+    return all(s0 == x1 * s1 for (_, s0), (x1, s1) in itertools.pairwise(dims))
+
+
+class Liveness(UnitEvents):
     """Static liveness structure of a graph and the memory events of ops and clusters.
 
     ``op_events(o, cfg)`` -> (positions, rows): +row at each allocation, -row one position
@@ -173,6 +194,7 @@ class Liveness:
                     self.uses[o].append((v, j))
                     if self.view[v]:
                         stack.append(v)
+        self._layout_copies(ctx)
         # recomputation (``ParallelConfig.recompute``): the consumers that save an owner's
         # output for their backward (static), the position where a recomputed op runs again
         # (the earliest backward that needs its output: the backward of its last saving
@@ -186,7 +208,8 @@ class Liveness:
             sv = _saves(ops[o])
             for v, j in self.uses[o]:
                 s = _saves(ops[v])
-                if self.rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs):
+                if self.rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs) \
+                        and not self.copies(v, j, o):
                     self.savers[o].append(v)
             if self.savers[o]:
                 self.rc_pos[o] = 2 * n - 1 - max(self.savers[o])
@@ -212,6 +235,7 @@ class Liveness:
         self._ev: dict = {}
         self._gev: dict = {}  # (shard group, its clusters' plans) -> events (plans live in ctx._cluster)
         self._foreach = [d.spec.kind.lower() != "cpu" for d in ctx.machine.devices]
+        self._cpu = ~np.array(self._foreach, bool)
         # the graph's inputs: every rank holds the whole global batch (a ParallelModule's
         # forward takes the same global inputs on every rank), the whole step
         self.input_bytes = sum(int(np.prod(op.output_shape, dtype=np.int64)) * dtype_bytes(op.dtype)
@@ -251,6 +275,49 @@ class Liveness:
         r = self._rows[key] = (out, in0, gin, on)
         return r
 
+    def _layout_copies(self, ctx) -> None:
+        """``self.relaid``: the (op, input) pairs where torch's ``matmul`` copies its input
+        into a new layout before the product (and saves that copy): an operand of three or
+        more dims whose batch dims cannot be flattened as a view, such as a head-split
+        projection transposed to (batch, heads, seq, dim).  The strides follow the views
+        (transpose and permute reorder them; a view of a contiguous tensor is contiguous;
+        anything else is taken as needing no copy)."""
+        ops = ctx.ops
+        strides: list = [None] * len(ops)
+        for o, op in enumerate(ops):
+            shape = tuple(int(x) for x in op.output_shape)
+            if not self.view[o]:
+                strides[o] = _contiguous(shape)
+                continue
+            src = strides[ctx.inputs[o][0]]
+            if src is None:
+                continue
+            perm = op.attrs.get("perm") if op.kind in ("transpose", "permute") else None
+            if perm is not None and len(perm) == len(src):
+                strides[o] = tuple(src[i] for i in perm)
+            elif op.kind in ("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze") \
+                    and src == _contiguous(tuple(int(x) for x in ops[ctx.inputs[o][0]].output_shape)):
+                strides[o] = _contiguous(shape)
+        self.relaid = set()
+        for v, op in enumerate(ops):
+            if op.kind != "matmul" or len(ctx.inputs[v]) != 2:
+                continue
+            a, b = (tuple(int(x) for x in ops[u].output_shape) for u in ctx.inputs[v])
+            if len(a) < 3:
+                continue
+            for j, u in enumerate(ctx.inputs[v]):
+                shape, st = (a, b)[j], strides[u]
+                # batched: each operand's batch dims flattened; one batched operand by a
+                # matrix: the first's every dim but the last
+                keep = len(shape) - 2 if len(b) >= 3 else len(shape) - 1
+                if st is not None and len(shape) >= 3 and not _flattens(shape[:keep], st[:keep]):
+                    self.relaid.add((v, j))
+
+    def copies(self, v: int, j: int, o: int) -> bool:
+        """Op v reads its input j (op o's output or a view of it) as a copy of its own, which
+        it keeps in o's place: a cast (:meth:`casts`) or a new layout (``relaid``)."""
+        return (v, j) in self.relaid or self.casts(v, j, o)
+
     def casts(self, v: int, j: int, o: int) -> bool:
         """Under ``*-mixed``: op v reads input j (op o's output, or a view of it) as a copy
         in another dtype (autocast casts a lowered op's float32 input to the compute dtype;
@@ -267,7 +334,8 @@ class Liveness:
         r = self._rows.get(key)
         if r is None:
             r = np.zeros(self.ctx.D, np.int64)
-            bpe = dtype_bytes(self.ctx.cops[v].input_dtypes[j])
+            ins = self.ctx.cops[v].input_dtypes
+            bpe = dtype_bytes(ins[j] if j < len(ins) else self.ctx.cops[self.ctx.inputs[v][j]].dtype)
             for p in partitions(self.ctx.ops[v], cfg):
                 if p.inputs[j] is not None:
                     r[p.device] += region_numel(p.inputs[j]) * bpe
@@ -313,7 +381,7 @@ class Liveness:
                     np.maximum(keep, B, out=keep)
                 for v, j in self.uses[o]:
                     s = _saves(ops[v])
-                    if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs) and not self.casts(v, j, o):
+                    if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs) and not self.copies(v, j, o):
                         _, _, _, von = self.rows(v, cfg[v])
                         np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
                     elif cfg[v].recompute and self.rc_real[v]:  # v's checkpoint holds its inputs to its backward
@@ -338,18 +406,27 @@ class Liveness:
                     live(2 * n - 1 - grads[0], B, out)
                     for v in grads[1:]:
                         live(2 * n - 1 - v, 2 * n - 1 - v, out)
+        if op.kind == "rms_norm" and rg[o] and not self.view[o]:
+            # on a CPU torch runs it unfused and saves x * rstd (an output-sized tensor) for
+            # the backward; the fused GPU kernel keeps only rstd
+            x = np.where(self._cpu, out, 0)
+            if rc:
+                live(F, F, x)
+                live(self.rc_pos[o], B, x)
+            else:
+                live(F, B, x)
         if sv.fwd_temp[0]:
             live(F, F, (unit[sv.fwd_temp[1]] * sv.fwd_temp[0]).astype(np.int64))
             if rc:  # the recomputation's forward has them too
                 live(self.rc_pos[o], self.rc_pos[o], (unit[sv.fwd_temp[1]] * sv.fwd_temp[0]).astype(np.int64))
         if sv.bwd_temp[0] and rg[o]:
             live(B, B, (unit[sv.bwd_temp[1]] * sv.bwd_temp[0]).astype(np.int64))
-        # under *-mixed, the copies autocast makes of inputs in another dtype: saved ones
-        # to the backward, the others for the op's forward
-        if ctx.precision.mixed and not self.view[o]:
+        # the op's own copies of inputs (autocast's in another dtype, matmul's in a new
+        # layout): saved ones to the backward, the others for the op's forward
+        if (ctx.precision.mixed or self.relaid) and not self.view[o]:
             for j, u in enumerate(ctx.inputs[o]):  # (the graph's inputs too: a first conv's batch)
                 w = self._owner[u]
-                if w >= 0 and self.casts(o, j, w):
+                if w >= 0 and self.copies(o, j, w):
                     saved = rg[o] and (sv.inputs == "all" or j in sv.inputs)
                     live(F, B if saved else F, self.cast_bytes(o, cfg[o], j))
         # input regions received from other devices (and their gradients, sent back)
@@ -428,7 +505,8 @@ class Liveness:
         executor and DDP keep them; the synced gradients are views of them); gradients
         from the last user's backward, to the update, or for all-reduced ones to the
         first user's backward (where they are copied into the bucket).  What sharded
-        replicas gather and reduce-scatter is their gather unit's (:meth:`group_events`)."""
+        replicas gather and reduce-scatter is their gather unit's (:meth:`group_events`,
+        :mod:`.unitmem`)."""
         n = self.n
         us, _ = self.ctx.clusters[c]
         pos, rows = [0, self.npos - 1], [cp.mem + cp.kept, -(cp.mem + cp.kept)]
@@ -442,73 +520,6 @@ class Liveness:
         if cp.cast.any():  # *-mixed: autocast's compute-dtype copies of the parameters, cached
             pos += [min(us), b + 1]  # from the first use and saved for the backward (linear's
             rows += [cp.cast, -cp.cast]  # weight) until the first user's backward
-        return np.array(pos, np.int64), np.stack(rows)
-
-    def group_events(self, g: int, plans) -> tuple:
-        key = (g,) + tuple(id(plans[c]) for c in self.ctx.sgroup_clusters[g])
-        ev = self._gev.get(key)
-        if ev is None:
-            ev = self._gev[key] = self._group_events(g, plans)
-        return ev
-
-    def _group_events(self, g: int, plans) -> tuple:
-        """Events of shard group g's gather units (one per shard level among its clusters'
-        plans, ``plans``: cluster -> plan), as the executor runs them
-        (:mod:`flexflow.runtime.shard`, :mod:`flexflow.runtime.sync`):
-
-        - every forward (levels 1-3) the unit is all-gathered: a send buffer of the slices
-          and, where the unit has more than one region or a padded slice, a receive buffer
-          of the full unit (else the gather lands in the region itself), from where the
-          gather is prefetched (the first use of the group before) to the unit's first use;
-        - level 3: the full parameters from the gather to the last forward use, and again
-          from the backward gather (prefetched at the backward of the group read just
-          after in the forward) to the reduce-scatter;
-        - levels 2-3: the full gradients autograd makes, from each cluster's last user's
-          backward to the reduce-scatter at the unit's first user's backward; the
-          reduce-scatter's input (the gradients laid out rank-major: a copy where the unit
-          has several regions or a padded slice, else the gradient itself) until it is
-          drained, two reduce-scatters later; the slices it yields (the gradients the
-          optimizer reads) from there to the update."""
-        ctx, n = self.ctx, self.n
-        pos, rows = [], []
-
-        def live(a, b, row):
-            if row.any():
-                pos.extend((a, b + 1))
-                rows.extend((row, -row))
-
-        members = ctx.sgroup_clusters[g]
-        for level in (1, 2, 3):
-            cs = [c for c in members if plans[c].level == level and plans[c].nreg.any()]
-            if not cs:
-                continue
-            first = min(ctx.clusters[c][0][0] for c in cs)
-            last = max(ctx.clusters[c][0][-1] for c in cs)
-            full = sum(plans[c].fval for c in cs)
-            send = sum(plans[c].slg for c in cs)
-            copy = (sum(plans[c].nreg for c in cs) > 1) | np.logical_or.reduce([plans[c].padded for c in cs])
-            recv = np.where(copy, full, 0)
-            lf = min(ctx.sgroup_prefetch_f[g], first)
-            live(lf, first, send + recv)
-            b = 2 * n - 1 - first
-            if level >= 3:
-                live(lf, last, full - recv)  # straight into the regions: from the launch
-                live(first, last, recv)
-                lb = 2 * n - 1 - max(ctx.sgroup_prefetch_b[g], last)
-                live(lb, 2 * n - 1 - last, send + recv)
-                live(lb, b, full - recv)
-                live(2 * n - 1 - last, b, recv)
-            if level >= 2:
-                for c in cs:
-                    live(2 * n - 1 - max(ctx.clusters[c][0]), b, plans[c].fgrad)
-                grads = sum(plans[c].fgrad for c in cs)
-                drain = max(ctx.sgroup_drain[g], b)
-                live(b, drain, np.where(copy, grads, 0))
-                if drain > b:
-                    live(b + 1, drain, np.where(copy, 0, grads))
-                live(b, self.update_pos, sum(plans[c].sl for c in cs))
-        if not pos:
-            return np.zeros(0, np.int64), np.zeros((0, ctx.D), np.int64)
         return np.array(pos, np.int64), np.stack(rows)
 
     def update_temp(self, maxshard: np.ndarray, train: np.ndarray) -> np.ndarray:
