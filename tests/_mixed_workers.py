@@ -61,5 +61,12 @@ def mixed(rank: int, name: str, batch: int, specs) -> list:
         errs = sorted(((float((state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)), k)
                        for k, v in refs.items()), reverse=True)
         whole = _norm([state[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
-        out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scale, errs[:3]))
+        # the dtype each sharded region is gathered in, by the kinds of op that read it
+        kinds: dict = {}
+        for op in graph.compute_ops:
+            for q in op.params.values():
+                kinds.setdefault(q, set()).add(op.kind)
+        gathered = sorted({(tuple(sorted(kinds[q])), str(t.dtype)) for q, t in par._runtime.full.items()})
+        out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scale, errs[:3],
+                    gathered))
     return out

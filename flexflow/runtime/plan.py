@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cost.model import GRAD_BUCKET_BYTES
-from ..cost.precision import PRECISIONS
+from ..cost.precision import LOWERED_RULES, PRECISIONS
 from ..graph.ir import Op, OpGraph, dtype_bytes
 from ..graph.ops import RULES
 from ..graph.ops.base import region_shape
@@ -73,8 +73,6 @@ class ExecutorError(RuntimeError):
 # the precisions the runtime runs: the module's own dtypes, or bfloat16 autocast with the
 # parameters, gradients and optimizer state in float32 (messages between ranks in bfloat16)
 RUN_PRECISIONS = ("32-true", "bf16-mixed")
-# rules whose floating output autocast computes in its lower dtype on every device type
-LOWERED_RULES = frozenset({"linear", "linear_t", "matmul", "conv", "attention"})
 
 
 # rules that keep their floating inputs' dtype when they hold no parameter (elementwise, layout)
@@ -291,8 +289,25 @@ class Plan:
                     self.shard_keys.add(ranks)
             if qual in self.params and self.params[qual].requires_grad and len(self.shards[qual][2]) > 1:
                 self.shard_level[qual] = level
-        self.unit_quals = group_units(self.graph, self.shard_level, self.shards,
-                                      {q: self.params[q] for q in self.shard_level})
+        self.gather_dtype = self._gather_dtypes()
+        self.unit_quals = group_units(self.graph, self.shard_level, self.shards, self.gather_dtype)
+
+    def _gather_dtypes(self) -> dict:
+        """qual -> the dtype its full region is gathered in and held as: under ``*-mixed``
+        the compute dtype for a parameter only lowered ops read (autocast would cast it so
+        for them anyway: the same values, half the bytes, as FSDP2's
+        ``param_dtype=bfloat16``), else its own (norm weights, embedding tables)."""
+        pr = self.precision
+        readers: dict[str, set] = {}
+        for op in self.graph.compute_ops:
+            for q in op.params.values():
+                readers.setdefault(q, set()).add(op.rule)
+        out = {}
+        for q in self.shard_level:
+            own = self.params[q].dtype
+            low = pr.mixed and own.is_floating_point and readers.get(q, {None}) <= LOWERED_RULES
+            out[q] = pr.compute if low else own
+        return out
 
     def _make_flat(self) -> None:
         """Sharded regions: ``full[qual]`` holds the values the ops read, and
@@ -300,10 +315,11 @@ class Plan:
         self.full: dict[str, torch.Tensor] = {}
         self.slices: dict[str, Slice] = {}
         for qual in self.shard_level:
-            full = self.params[qual].detach().requires_grad_(True)
+            own = self.params[qual].detach()
+            full = own.to(self.gather_dtype[qual]).requires_grad_(True)
             sl = self.slices[qual] = slice_of(full.numel(), self.shards[qual][2], self.rank)
             self.full[qual] = full
-            self.params[qual] = torch.nn.Parameter(full.reshape(-1)[sl.lo:sl.hi].clone())
+            self.params[qual] = torch.nn.Parameter(own.reshape(-1)[sl.lo:sl.hi].clone())
         self.units = plan_units(self.program, self.unit_quals, self.shard_level, self.shards, self.slices)
 
     def message_dtype(self, prod: Op, partial: bool = False) -> torch.dtype:

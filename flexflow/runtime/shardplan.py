@@ -103,11 +103,11 @@ class Unit:
     keep: bool = False  # level 3: a user's output has no gradient, so it stays gathered to the end
 
 
-def group_units(graph: OpGraph, shard_level: dict, shards: dict, tensors: dict, groups: dict | None = None) -> list[list]:
+def group_units(graph: OpGraph, shard_level: dict, shards: dict, dtypes: dict, groups: dict | None = None) -> list[list]:
     """The sharded regions of a rank grouped into units, in graph order of their first
     user: the regions of one shard group (:func:`flexflow.strategy.units.shard_groups`,
     consecutive clusters of parameters up to a cap, as FSDP wraps a block of layers)
-    with one group of ranks, dtype and level.  Every member of a group of ranks forms the
+    with one group of ranks, gather dtype (``dtypes``) and level.  Every member of a group of ranks forms the
     same units (the same regions, the same order)."""
     groups = shard_groups(graph) if groups is None else groups
     first: dict[str, int] = {}
@@ -117,8 +117,7 @@ def group_units(graph: OpGraph, shard_level: dict, shards: dict, tensors: dict, 
                 first.setdefault(q, i)
     units: dict[tuple, list] = {}
     for q in sorted(first, key=lambda q: (first[q], q)):
-        t = tensors[q]
-        units.setdefault((groups.get(q, -1), shards[q][2], str(t.dtype), shard_level[q]), []).append(q)
+        units.setdefault((groups.get(q, -1), shards[q][2], str(dtypes[q]), shard_level[q]), []).append(q)
     return list(units.values())
 
 

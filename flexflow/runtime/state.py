@@ -23,18 +23,20 @@ class State:
         """qual -> full tensor (in its view shape) of every placed parameter and
         buffer, gathered on every rank: the first rank of each shard contributes."""
         fulls = OrderedDict()
-        regathered = self.gather_all() if self.units else []  # sharded regions, from their slices
         for qual, (view, shards, trainable) in self.placement.items():
             src = tensor_of(self.module, qual)
             full = torch.zeros(view, dtype=src.dtype, device=self.device)
             if qual in self.shards:
                 held, region, ranks = self.shards[qual]
-                if ranks[0] == self.rank:
+                if qual in self.slices:  # sharded: every replica gives its slice (they tile the region)
+                    sl, whole = self.slices[qual], self.full[qual]
+                    block = torch.zeros(whole.numel(), dtype=src.dtype, device=self.device)
+                    block[sl.lo:sl.hi] = self.params[qual].detach()
+                    full.view(held)[region] = block.view(whole.shape)
+                elif ranks[0] == self.rank:
                     mine = self.compute_tensor(qual) if qual in self.params else self.buffers[qual]
                     full.view(held)[region] = mine.detach()  # held whole in its own shape, or a block of the view
             fulls[qual] = full
-        for ui in regathered:
-            self.free_full(self.units[ui].quals)
         if self.distributed and self.world > 1:
             by_dtype: dict = {}
             for qual, t in fulls.items():

@@ -165,7 +165,9 @@ class _GradSync:
             pieces, whole = [], []
             for q, p in zip(quals, params):
                 g, replaces = self._local_part(q, rt.params[q], by_qual[q])
-                pieces.append((g if g is not None else torch.zeros_like(p)).reshape(-1))
+                dt = rt.params[q].dtype  # (a region gathered in bfloat16 reduces in its own dtype)
+                pieces.append((g.to(dt) if g is not None else torch.zeros(p.shape, dtype=dt, device=p.device))
+                              .reshape(-1))
                 whole.append(replaces)
             riders, ride = [], rt.ride == (gate.op, pos)
             if ride and rt._early:  # this rank took its part early (Runtime._early_ride): repaired at the end
@@ -189,9 +191,10 @@ class _GradSync:
         for q, g in by_qual.items():
             if g is None:
                 continue
-            if q in self.rt.full:  # a sharded region's full gradient waits aside (not its slice's grad)
-                kept = self.local_full.get(q)
-                self.local_full[q] = g.clone(memory_format=torch.contiguous_format) if kept is None else kept.add_(g)
+            if q in self.rt.full:  # a sharded region's full gradient waits aside (not its slice's grad),
+                kept = self.local_full.get(q)  # summed in the parameter's own dtype
+                self.local_full[q] = (g.to(self.rt.params[q].dtype, memory_format=torch.contiguous_format, copy=True)
+                                      if kept is None else kept.add_(g))
                 continue
             p = self.rt.params[q]
             held, entry = p.grad, self.local.get(q)
@@ -244,7 +247,8 @@ class _GradSync:
         for q in quals:
             full, sl = rt.full[q], rt.slices[q]
             g, _ = self._local_part(q, None, by_qual[q])
-            g = torch.zeros(full.numel(), dtype=full.dtype, device=full.device) if g is None else g.reshape(-1)
+            dt = rt.params[q].dtype  # reduced in the parameter's dtype (a bfloat16 gather's gradient too)
+            g = torch.zeros(full.numel(), dtype=dt, device=full.device) if g is None else g.reshape(-1).to(dt)
             if sl.chunk * n != sl.numel:
                 g = torch.nn.functional.pad(g, (0, sl.chunk * n - sl.numel))
             cols.append(g.view(n, sl.chunk))

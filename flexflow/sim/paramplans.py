@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cost.model import GRAD_BUCKET_BYTES
+from ..cost.precision import LOWERED_RULES
 from ..graph.ir import dtype_bytes
 from ..graph.ops.base import region_numel
 from ..strategy.regions import param_placement
@@ -113,13 +114,18 @@ class ParamPlanning:
         # all-reduce (the executor buckets them), charged per bucket share.
         groups: dict[tuple, list] = {}  # devices -> [bytes, first (param, shard), reduce bytes, gather bytes]
         shard_list = []
+        lowered = not prec.mixed or all(ops[o].rule in LOWERED_RULES for o in us)
         for pi in pidx:
             _, shards, trainable = place[self.param_names[pi]]
             o0, local = self.param_first[pi]
             traced = ops[o0].dtype
             # parameters, their gradients and optimizer state in one dtype (every precision has it so)
             bpe = dtype_bytes(prec.param_dtype(traced))
-            rbpe, gbpe = dtype_bytes(prec.reduce_dtype(traced)), dtype_bytes(prec.gather_dtype(traced))
+            # sharded parameters gather in the gather dtype where only lowered ops (matrix
+            # products, convolutions: autocast casts their weights anyway) read them, as the
+            # executor does; in their own dtype elsewhere (norm weights, embedding tables)
+            gdt = prec.gather_dtype(traced) if lowered else prec.param_dtype(traced)
+            rbpe, gbpe = dtype_bytes(prec.reduce_dtype(traced)), dtype_bytes(gdt)
             # autocast casts a parameter (not a buffer) for the ops that use it
             cdt = self.cops[o0].dtype
             cbpe = dtype_bytes(cdt) if prec.mixed and local in ops[o0].params and cdt != prec.param_dtype(traced) else 0
@@ -157,25 +163,26 @@ class ParamPlanning:
             part = -(-nb // n)
             # level 3 keeps the slice only; levels 1-2 the full parameter the ops read and the
             # flat slice the optimizer updates (the executor's own tensor)
-            value = part if level >= 3 else nb + part if level and n > 1 else nb
-            # level 3 gathers the full parameter into storage of its own (the gather units,
-            # memory.py); below it the compute-dtype copies autocast makes (``cast``)
             sharded = bool(level and n > 1)
+            value = part if level >= 3 else gathered + part if sharded else nb
+            # level 3 gathers the full parameter into storage of its own (the gather units,
+            # memory.py); below it the compute-dtype copies autocast makes (``cast``), none of
+            # a parameter gathered in the compute dtype
             for d in sh.devices:
                 cp.mem[d] += value + ((part if level >= 1 else nb) * oc if trainable else 0)  # value, optimizer state
                 if sharded:
                     cp.fval[d] += gathered
-                    cp.fgrad[d] += nb
+                    cp.fgrad[d] += gathered  # (autograd's, in the full parameter's dtype)
                     cp.sl[d] += part
                     cp.slg[d] += -(-gathered // n)
                     cp.nreg[d] += 1
                     cp.padded[d] |= part * n != nb
-                if not (level >= 3 and sharded):
+                if not (sharded and (level >= 3 or gathered != nb)):
                     cp.cast[d] += cast
             if not trainable or nb <= 0:
                 continue
             sync = group_sync.get(tuple(sh.devices), -1)
-            grad, upd = (part if level >= 2 else nb), (part if level >= 1 else nb)
+            grad, upd = (part if level >= 2 else gathered if sharded else nb), (part if level >= 1 else nb)
             for d in sh.devices:
                 cp.grad[d] += grad
                 cp.maxshard[d] = max(cp.maxshard[d], upd)
