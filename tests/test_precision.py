@@ -286,7 +286,12 @@ def test_32_true_is_what_the_simulator_gave_before():
             r = ff.Simulator(g, mach, ff.CostModel(mach), optimizer="adam", **kw).simulate(s, incremental=False)
             # (the peaks since changed on purpose: the all-reduce buckets the executor keeps
             # from step to step count the whole step; the two spellings still agree)
-            assert (r.iteration_time, r.sync_bytes, r.comm_bytes) == want[:3], (name, strategy)
+            assert (r.sync_bytes, r.comm_bytes) == want[1:3], (name, strategy)
+            if strategy in ("fsdp", "zero2"):  # (changed on purpose since: the all-gathers are tasks
+                # of their own, before the users' forward and backward, no longer part of the sync)
+                assert r.iteration_time == pytest.approx(want[0], rel=0.05), (name, strategy)
+            else:
+                assert r.iteration_time == want[0], (name, strategy)
             peaks.append(r.peak_memory)
         assert peaks[0] == peaks[1] and all(a >= b for a, b in zip(peaks[0], want[3])), (name, strategy)
 

@@ -28,7 +28,7 @@ class _ClusterPlan:
     """Placement of a cluster's parameters under its users' configs: syncs, updates, memory."""
     __slots__ = ("syncs", "upd", "mem", "grad", "maxshard", "busy", "sync_bytes", "ps_ps", "cols", "upd_lb",
                  "bucket_bytes", "cast", "kept", "ar_grad",
-                 "level", "fval", "fgrad", "sl", "slg", "nreg", "padded")
+                 "level", "fval", "fgrad", "sl", "slg", "nreg", "padded", "gathers")
 
 
 class ParamPlanning:
@@ -139,11 +139,20 @@ class ParamPlanning:
                     g[2] += numel * rbpe
                     g[3] += numel * gbpe
         group_sync: dict[tuple, int] = {}
+        cp.gathers = []  # (devices, all-gather picoseconds, level 3's backward one too, r1, rm, users, pi, si)
         for devices, (nb, (pi, si), rb, gb) in groups.items():
             dur, sent = self._sync_figures(devices, level, rb, gb)
+            gather = 0
             if self.sync == "ps":
                 cp.ps_ps += self.ps_sync_ps(devices, rb)
                 dur = 1  # the sync task only orders the updates; its time comes after the graph
+            elif level and gb:
+                # the parameters' all-gathers are tasks of their own, as the executor runs them:
+                # before the users' forward (prefetched: ready from the start of the step) and at
+                # level 3 again before their backward; the sync task keeps the reduce-scatter
+                rs = _ps(self._allreduce_s(devices, rb) / 2)
+                gather = _ps(self._allreduce_s(devices, gb) / 2)
+                dur = rs
             links = tuple(D + l for l in m.allreduce_links(devices))
             if self.comm_on_cores:  # every member's cores reduce and move the buckets
                 links = tuple(sorted(devices)) + links
@@ -154,8 +163,10 @@ class ParamPlanning:
             users = [(o, k) for o, dv in devs for k, d in enumerate(dv) if d in ds]
             cp.syncs.append((pi, si, frozenset(devices), dur, r1, rm, users))
             cp.sync_bytes += sent
+            if gather:
+                cp.gathers.append((devices, gather, gather if level >= 3 else 0, r1, rm, users, pi, si))
             for r in links:
-                cp.busy[r] += dur
+                cp.busy[r] += dur + gather * (2 if level >= 3 else 1)
         for pi, si, sh, nb, trainable, reduced, gathered, cast in shard_list:
             # what each replica keeps of the shard at the cluster's level: a 1/n slice of the
             # optimizer state (level >= 1), of the gradient (>= 2), of the parameter (3)

@@ -264,8 +264,8 @@ class Simulator:
                 a, kind, j, k, q = decode_prio(PRIO[t])
                 if kind <= 3:
                     name = f"{ops[a].name} {KIND_NAMES[kind]}"
-                elif kind == 4:
-                    name = f"{ctx.param_names[a]} sync"
+                elif kind in (4, 6):
+                    name = f"{ctx.param_names[a]} {KIND_NAMES[kind]}"
                 else:
                     name = f"{ops[a].name} update"
                 events.append((name, KIND_NAMES[kind], r, FIN[t] - DUR[t], DUR[t]))

@@ -18,6 +18,11 @@ Tasks (the paper's task graph, section 5):
   overlaps the remaining backward work.  With ``sync="ps"`` (the paper's runtime, for
   side-by-side figures only) the sync task takes no time and each replicated gradient costs a
   transfer from every other replica to the first and one back, after the task graph.
+- ``gather``: at a shard level, per parameter cluster and group of replicas, the parameters'
+  all-gather (the gather dtype's bytes, half a ring all-reduce) on the sync's links, before
+  the users' forward tasks there, with no predecessor (the executor prefetches it); at level
+  3 another before their backward tasks, after their forward.  The sync task then keeps the
+  reduce-scatter.
 - ``update``: per unit and device, the optimizer update of the trainable shards whose
   parameters the unit uses first (memory bound: (3 + 2 x optimizer copies) x bytes / memory
   bandwidth + one launch per shard), after their syncs (or their last backward when unsynced).
@@ -46,7 +51,7 @@ import numpy as np
 
 from .plans import Context
 from .schedcore import prefix_peak
-from .taskkeys import KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, decode_prio
+from .taskkeys import GATHER, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, _prio, decode_prio
 from .taskpatch import _Patching
 
 __all__ = ["Context", "TaskGraph", "PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
@@ -86,7 +91,8 @@ class TaskGraph(_Patching):
         self.BT = [None] * n
         self.EDGES = [None] * n    # o -> per input j: [(q, k, xf, xb)] for unit-external edges, else None
         self.EPLAN = [None] * n
-        self.SYNCT = [None] * nc   # cluster -> sync task per plan entry
+        self.SYNCT = [None] * nc   # cluster -> sync task per plan entry, then its gather tasks
+        self.GATH = [({}, {})] * nc  # cluster -> (device -> forward gather task, -> backward gather task)
         self.CPLAN = [None] * nc
         self.UPDT = [None] * n     # head -> {device: tid}
         D, R = ctx.D, ctx.R
@@ -247,6 +253,10 @@ class TaskGraph(_Patching):
             else:
                 PRED[t] = tuple(pred)
         self.SYNCT[c] = st
+        if cp.gathers:
+            self._make_gathers(c, cp, link)
+        else:
+            self.GATH[c] = ({}, {})
         if link:  # (a full build fills these rows in one go)
             self.CLMAXSH[c] = cp.maxshard
             self.CLTRAIN[c] = cp.grad
@@ -259,6 +269,50 @@ class TaskGraph(_Patching):
             self.sync_sum += int(cp.sync_bytes) - int(self.CLSYNC[c])
             self.CLSYNC[c] = cp.sync_bytes
             self.CLPS[c] = cp.ps_ps
+
+    def _make_gathers(self, c: int, cp, link: bool) -> None:
+        """Cluster c's all-gather tasks (shard levels): per group of devices one before its
+        users' forward tasks there (no predecessor: prefetched from the start of the step)
+        and, at level 3, one before their backward tasks (after their forward)."""
+        G = cp.gathers
+        fwd = self._alloc([g[1] for g in G], [g[3] for g in G], [g[4] for g in G],
+                          [_prio(g[6], GATHER, 0, g[7]) for g in G])
+        back = [g for g in G if g[2]]
+        bwd = self._alloc([g[2] for g in back], [g[3] for g in back], [g[4] for g in back],
+                          [_prio(g[6], GATHER, 1, g[7]) for g in back]) if back else []
+        FT, PRED, setp = self.FT, self.PRED, self._set_pred
+        for t, g in zip(bwd, back):
+            pred = list(dict.fromkeys(FT[o][k] for o, k in g[5]))
+            if link:
+                setp(t, pred)
+            else:
+                PRED[t] = tuple(pred)
+        self.GATH[c] = ({d: t for t, g in zip(fwd, G) for d in g[0]},
+                        {d: t for t, g in zip(bwd, back) for d in g[0]})
+        self.SYNCT[c] = list(self.SYNCT[c]) + list(fwd) + list(bwd)
+
+    def _with_gathers(self, h: int, side: int, preds: list) -> list:
+        """``preds`` of unit h's forward (``side`` 0) or backward (1) tasks, each with the
+        gather tasks it waits for appended."""
+        extra = self._gather_preds(h, side)
+        return preds if extra is None else [p + e for p, e in zip(preds, extra)]
+
+    def _gather_preds(self, h: int, side: int):
+        """Per task of unit h (forward: ``side`` 0, backward: 1), the gather tasks it waits
+        for; None where there are none."""
+        extra = None
+        devs = self.tmpl[h].devs
+        for o in self.members[h]:
+            for c in self.ctx.op_clusters[o]:
+                by_dev = self.GATH[c][side]
+                if by_dev:
+                    if extra is None:
+                        extra = [() for _ in devs]
+                    for k, d in enumerate(devs):
+                        t = by_dev.get(d)
+                        if t is not None:
+                            extra[k] += (t,)
+        return extra
 
     def _make_updates(self, h: int, link: bool) -> None:
         """One update task per device for the clusters first used by the unit's ops."""
@@ -297,9 +351,9 @@ class TaskGraph(_Patching):
             for j, rec in enumerate(EDGES[o]):
                 if rec is not None:
                     if not EPLAN[o][j].identity:
-                        return [tuple(p) for p in self._f_pred(h)]
+                        return self._with_gathers(h, 0, [tuple(p) for p in self._f_pred(h)])
                     cols.append(self.FT[ins[o][j]])
-        return list(zip(*cols)) if cols else [()] * len(self.FT[h])
+        return self._with_gathers(h, 0, list(zip(*cols)) if cols else [()] * len(self.FT[h]))
 
     def _b_preds(self, h: int) -> list[tuple]:
         """The predecessors of each bwd task of unit h, as tuples (``_f_preds``'s shortcut
@@ -311,9 +365,9 @@ class TaskGraph(_Patching):
                 rec = EDGES[v][j]
                 if rec is not None:
                     if not EPLAN[v][j].identity:
-                        return [tuple(p) for p in self._b_pred(h)]
+                        return self._with_gathers(h, 1, [tuple(p) for p in self._b_pred(h)])
                     cols.append(self.BT[v])
-        return list(zip(*cols)) if cols else [(f,) for f in self.FT[h]]
+        return self._with_gathers(h, 1, list(zip(*cols)) if cols else [(f,) for f in self.FT[h]])
 
     def _f_pred(self, h: int) -> list[list[int]]:
         ctx = self.ctx

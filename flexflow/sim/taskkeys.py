@@ -16,8 +16,8 @@ SYNC_MODELS = ("ring", "ps")
 PS = 10**12  # picoseconds per second
 # Kinds in tie-breaking order: at equal ready time a transfer goes before compute of the same
 # op, as the executor posts a send as soon as its producer is computed (before its next op)
-XF, XB, F, B, SYNC, UPD = range(6)
-KIND_NAMES = ("xfer", "xfer-grad", "fwd", "bwd", "sync", "update")
+XF, XB, F, B, SYNC, UPD, GATHER = range(7)
+KIND_NAMES = ("xfer", "xfer-grad", "fwd", "bwd", "sync", "update", "gather")
 _JB, _PB, _AB = 10, 10, 16  # bits: input index, partition index, op/param/cluster index
 TID_BITS = 24
 TID_MASK = (1 << TID_BITS) - 1
@@ -35,8 +35,8 @@ def _prio(a: int, kind: int, j: int = 0, k: int = 0, q: int = 0) -> int:
 
 
 def decode_prio(p: int) -> tuple[int, int, int, int, int]:
-    """(a, kind, j, k, q) of a priority: a is the op (fwd/bwd/xfer), param (sync) or cluster
-    (update) index, j the input index, k / q the consumer / producer partition (or device)."""
+    """(a, kind, j, k, q) of a priority: a is the op (fwd/bwd/xfer), param (sync, gather) or
+    cluster (update) index, j the input index, k / q the consumer / producer partition (or device)."""
     m = (1 << _PB) - 1
     q, k = p & m, (p >> _PB) & m
     p >>= 2 * _PB

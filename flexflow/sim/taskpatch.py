@@ -202,6 +202,10 @@ class _Patching:
         pf.update(unit[o] for o, _ in edges)
         pb = set(new_heads)
         pb.update(unit[ctx.inputs[o][j]] for o, j in edges)
+        # the users of a rebuilt cluster wait for its new gather tasks (or no longer any)
+        gh = {unit[o] for c in clusters for o in ctx.clusters[c][0]}
+        pf.update(gh)
+        pb.update(gh)
         born = set(self._born)
         dirty = []
         PRED, repred = self.PRED, self._repred
