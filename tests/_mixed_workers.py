@@ -70,3 +70,53 @@ def mixed(rank: int, name: str, batch: int, specs) -> list:
         out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scale, errs[:3],
                     gathered))
     return out
+
+
+def _loop16(model, batch: int, scaler, autocast: bool) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for i in range(STEPS):
+        opt.zero_grad()
+        xs = batch_for(model if hasattr(model, "input_specs") else model.original_module, batch, i)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(*xs)
+        else:
+            loss = model(*xs)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def mixed16(rank: int, name: str, batch: int, specs) -> list:
+    """16-mixed with loss scaling (torch's ShardedGradScaler, which agrees on skipped steps
+    across the ranks) against one process under float16 autocast with a GradScaler: (spec,
+    loss relative errors, the parameters' relative error, the scale after the steps on
+    every rank and in the reference)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.set_num_threads(1)
+    module, example = build(name, batch)
+    init = copy.deepcopy(module.state_dict())
+    ref = copy.deepcopy(module)
+    kw = {"init_scale": 2.0 ** 14, "growth_interval": 2}  # (grows once within the steps)
+    ref_scaler = torch.amp.GradScaler("cpu", **kw)
+    ref_losses = _loop16(ref, batch, ref_scaler, True)
+    graph = ff.trace(module, example)
+    out = []
+    for spec in specs:
+        module.load_state_dict(init)
+        strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
+        par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="16-mixed")
+        scaler = ShardedGradScaler(device="cpu", **kw)
+        losses = _loop16(par, batch, scaler, False)
+        state = par.state_dict()
+        refs = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
+        whole = _norm([state[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
+        scales = [0.0] * dist.get_world_size()
+        dist.all_gather_object(scales, float(scaler.get_scale()))
+        out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scales,
+                    float(ref_scaler.get_scale())))
+    return out

@@ -45,9 +45,10 @@ def test_finalists_are_distinct_with_data_parallelism_and_the_simulators_choice(
     # a candidate the executor cannot run (in a precision it does not run) is left out, with a note
     dp = found.baseline_strategies["data_parallel"]
     assert not_runnable(dp) is None and not_runnable(dp, "bf16-mixed") is None
-    assert "precision '16-mixed'" in not_runnable(dp, "16-mixed")
-    picked, notes = pick_finalists(found, 3, first, machine, "16-mixed")
-    assert picked == [] and len(notes) >= 3 and all("16-mixed" in n for n in notes)
+    assert not_runnable(dp, "16-mixed") is None
+    assert "precision 'bf16-true'" in not_runnable(dp, "bf16-true")
+    picked, notes = pick_finalists(found, 3, first, machine, "bf16-true")
+    assert picked == [] and len(notes) >= 3 and all("bf16-true" in n for n in notes)
 
 
 def test_plan_lists_finalists_and_round_trips(mlp):

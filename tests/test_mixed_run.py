@@ -34,6 +34,16 @@ def test_bf16_mixed_trains_as_one_process_under_autocast(world, name, batch, spe
 
 def test_unknown_and_unrun_precisions_are_refused_by_name():
     m, x = W.build("mlp", 4)
-    for bad, words in (("fp8", "must be one of"), ("16-mixed", "loss scaling"), ("bf16-true", "module.to")):
+    for bad, words in (("fp8", "must be one of"), ("bf16-true", "module.to")):
         with pytest.raises(ValueError, match=words):
             ff.parallelize(m, example_inputs=x, strategy=None, precision=bad)
+
+
+@pytest.mark.slow
+def test_16_mixed_with_loss_scaling_trains_as_one_process_under_autocast():
+    """float16 autocast with torch's ShardedGradScaler (which all-reduces the inf check, so
+    every rank skips or takes the same steps) against one process with a GradScaler."""
+    for spec, loss_errs, err, scales, ref_scale in launch(W.mixed16, 2, "mlp", 8, ["data_parallel", "fsdp",
+                                                                                 "random:0"], timeout_s=180)[0]:
+        assert max(loss_errs) < 1e-3 and err < 1e-2, (spec, loss_errs, err)  # float16: 11 bits of mantissa
+        assert scales == [ref_scale] * 2 and ref_scale > 2.0 ** 14, (spec, scales, ref_scale)  # it grew alike

@@ -70,9 +70,11 @@ class ExecutorError(RuntimeError):
     """The runtime cannot run a graph/strategy as given."""
 
 
-# the precisions the runtime runs: the module's own dtypes, or bfloat16 autocast with the
-# parameters, gradients and optimizer state in float32 (messages between ranks in bfloat16)
-RUN_PRECISIONS = ("32-true", "bf16-mixed")
+# the precisions the runtime runs: the module's own dtypes, or bfloat16 / float16 autocast with
+# the parameters, gradients and optimizer state in float32 (messages between ranks in the
+# compute dtype where autocast surely computes them so); float16's loss scaling is the
+# training loop's (torch's ShardedGradScaler agrees on skipped steps across the ranks)
+RUN_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 
 # rules that keep their floating inputs' dtype when they hold no parameter (elementwise, layout)
@@ -100,8 +102,6 @@ def _precision_error(precision) -> str:
     if precision == "bf16-true":
         return ("precision 'bf16-true' is the module in bfloat16: convert it (module.to(torch.bfloat16)) "
                 "and parallelize it with precision='32-true' (its own dtypes)")
-    if precision == "16-mixed":
-        return "precision '16-mixed' needs loss scaling, which the runtime does not run yet; use 'bf16-mixed'"
     return f"precision must be one of {list(RUN_PRECISIONS)}, got {precision!r}"
 
 
