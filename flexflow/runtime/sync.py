@@ -270,7 +270,9 @@ class _GradSync:
         for job in flying[:max(len(flying) - keep, 0)]:
             self.rt.wait([job.work], lambda: f"gradient reduce-scatter among ranks {list(job.key)}")
             self._give_slices(job, job.flat)
-            job.mine = None  # done: finish() skips it
+            # done: finish() skips it; the work is dropped too (a gloo work holds its input,
+            # the unit's full gradients, for as long as it lives)
+            job.mine = job.work = None
 
     def _give_slices(self, job: _Job, out: torch.Tensor) -> None:
         """A reduce-scattered bucket's slices into the flat parameters' gradients."""

@@ -181,12 +181,7 @@ class Context(ParamPlanning):
 
     def _shard_groups(self, graph) -> None:
         """The executor's gather units (:func:`flexflow.strategy.units.shard_groups`) over the
-        clusters: ``cluster_sgroup[c]`` (-1: buffers only), ``sgroup_clusters[g]``, and per
-        group the static neighbours the memory model needs: the first use of the group
-        before it (where its forward gather is prefetched, 0 for the first), the last
-        forward use of the group whose backward comes just before (where its backward
-        gather is prefetched, -1 for none), and the backward position of the
-        reduce-scatter two after its own (where its reduce-scatter is drained)."""
+        clusters: ``cluster_sgroup[c]`` (-1: buffers only) and ``sgroup_clusters[g]``."""
         sg = shard_groups(graph)
         self.cluster_sgroup = [min((sg[self.param_names[pi]] for pi in pidx if self.param_names[pi] in sg),
                                    default=-1) for _, pidx in self.clusters]
@@ -195,18 +190,6 @@ class Context(ParamPlanning):
         for c, g in enumerate(self.cluster_sgroup):
             if g >= 0:
                 self.sgroup_clusters[g].append(c)
-        n = len(self.ops)
-        first = [min(self.clusters[c][0][0] for c in cs) for cs in self.sgroup_clusters]
-        last = [max(self.clusters[c][0][-1] for c in cs) for cs in self.sgroup_clusters]
-        self.sgroup_prefetch_f = [first[g - 1] if g else 0 for g in range(ng)]
-        self.sgroup_prefetch_b = [-1] * ng
-        by_last = sorted(range(ng), key=lambda g: -last[g])
-        for a, b in zip(by_last, by_last[1:]):
-            self.sgroup_prefetch_b[b] = last[a]
-        by_gate = sorted(range(ng), key=lambda g: -first[g])
-        self.sgroup_drain = [2 * n - 1] * ng
-        for i, g in enumerate(by_gate[:-2]):
-            self.sgroup_drain[g] = 2 * n - 1 - first[by_gate[i + 2]]
 
     # ---- cached plans ---------------------------------------------------------------------
     def template(self, o: int, cfg) -> _Tmpl:

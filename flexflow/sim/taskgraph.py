@@ -163,7 +163,9 @@ class TaskGraph(_Patching):
         live, cfg = ctx.live, self.cfg
         evs = [live.op_events(o, cfg) for o in comp]
         evs += [live.cluster_events(c, self.CPLAN[c]) for c in range(nc)]
-        evs += [live.group_events(g, self.CPLAN) for g in range(len(self.GEV))]
+        self.GSTAT = [live.group_status(g, self.CPLAN) for g in range(len(self.GEV))]
+        self.GNB = live.neighbours(self.GSTAT)
+        evs += [live.group_events(g, self.CPLAN, nb) for g, nb in enumerate(self.GNB)]
         for o, ev in zip(comp, evs):
             self.MEV[o] = ev
         for c in range(nc):
@@ -263,12 +265,26 @@ class TaskGraph(_Patching):
             self._set_events(self.CEV, c, self.ctx.live.cluster_events(c, cp))
             g = self.ctx.cluster_sgroup[c]
             if g >= 0:
-                self._set_events(self.GEV, g, self.ctx.live.group_events(g, self.CPLAN))
+                self._group_changed(g)
             self.CLSUM += cp.busy - self.CLBUSY[c]
             self.CLBUSY[c] = cp.busy
             self.sync_sum += int(cp.sync_bytes) - int(self.CLSYNC[c])
             self.CLSYNC[c] = cp.sync_bytes
             self.CLPS[c] = cp.ps_ps
+
+    def _group_changed(self, g: int) -> None:
+        """Shard group g's clusters have new plans: its memory events anew, and every
+        group's whose place among the sharded units moved (:meth:`Liveness.neighbours`)."""
+        live = self.ctx.live
+        st = live.group_status(g, self.CPLAN)
+        if st != self.GSTAT[g]:
+            self.GSTAT[g] = st
+            nbs = live.neighbours(self.GSTAT)
+            for h, (a, b) in enumerate(zip(self.GNB, nbs)):
+                if a != b and h != g:
+                    self._set_events(self.GEV, h, live.group_events(h, self.CPLAN, b))
+            self.GNB = nbs
+        self._set_events(self.GEV, g, live.group_events(g, self.CPLAN, self.GNB[g]))
 
     def _make_gathers(self, c: int, cp, link: bool) -> None:
         """Cluster c's all-gather tasks (shard levels): per group of devices one before its
