@@ -1,6 +1,6 @@
 """The baselines a search is compared with: data parallel, model parallel, expert, OptCNN,
-FSDP (data parallelism with every replicated parameter at shard level 3) where the graph has
-parameters to shard, and Megatron's tensor parallelism (``megatron``; with ``shard`` also the
+ZeRO-1, ZeRO-2 and FSDP (data parallelism with every replicated parameter at shard level 1,
+2, 3) where the graph has parameters to shard, and Megatron's tensor parallelism (``megatron``; with ``shard`` also the
 2-D FSDP x TP plan, ``fsdp_tp``) where it has pairs of linear layers to split."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .optcnn import optcnn
 __all__ = ["MEMORY_BASELINES", "baseline_strategies", "memory_baselines"]
 
 # the baselines simulated only where data parallelism does not fit (see ``mcmc.search``)
-MEMORY_BASELINES = ("fsdp", "megatron", "fsdp_tp")
+MEMORY_BASELINES = ("zero1", "zero2", "fsdp", "megatron", "fsdp_tp")
 
 
 def baseline_strategies(graph: OpGraph, machine, cost_model=None, *,
@@ -36,7 +36,8 @@ def baseline_strategies(graph: OpGraph, machine, cost_model=None, *,
 
 def memory_baselines(graph: OpGraph, machine, *, shard: bool = True,
                      data_parallel: Strategy | None = None) -> dict[str, Strategy]:
-    """fsdp where data parallelism has parameter replicas to shard (and ``shard``);
+    """zero1, zero2 and fsdp where data parallelism has parameter replicas to shard (and
+    ``shard``);
     megatron (tensor parallelism over the devices of a node, data parallelism across
     nodes) where the machine has several devices, the graph pairs of linear layers and a
     batch for its data-parallel degree, and fsdp_tp (the same at shard level 3) with
@@ -44,6 +45,8 @@ def memory_baselines(graph: OpGraph, machine, *, shard: bool = True,
     dp = data_parallel if data_parallel is not None else Strategy.data_parallel(graph, machine)
     out = {}
     if shard:
+        out["zero1"] = Strategy.zero(graph, machine, 1)
+        out["zero2"] = Strategy.zero(graph, machine, 2)
         out["fsdp"] = Strategy.fsdp(graph, machine)
     if machine.num_devices > 1 and linear_pairs(graph):
         try:

@@ -151,7 +151,7 @@ class Levers:
 
     def starts(self, base: dict) -> list[tuple[str, Strategy]]:
         """Chain starts with the levers on: data parallelism with every recomputable group
-        recomputed, FSDP (with the same) where there are shard levels, and the tensor-
+        recomputed, ZeRO-2 and FSDP (FSDP with the same too) where there are shard levels, and the tensor-
         parallel baselines with the same (``megatron_rc``, ``fsdp_tp_rc``)."""
         out = []
         on = lambda h, c: c.with_recompute() if not c.recompute else None
@@ -160,6 +160,9 @@ class Levers:
             m = self.apply(dp, self.recompute, on)
             if m is not None:
                 out.append(("data_parallel_rc", m[0]))
+        for k in ("zero2",):  # (a start between data parallelism and fsdp)
+            if base.get(k) is not None and self.shard:
+                out.append((k, base[k]))
         fsdp = base.get("fsdp")
         if fsdp is not None and self.shard:
             out.append(("fsdp", fsdp))
