@@ -64,7 +64,7 @@ def main(argv=None) -> int:
               f"{max(r.peak_memory) / GiB:8.1f}  {'yes' if r.feasible else 'no'}")
     print("\n(megatron: tensor parallelism over the 8 GPUs of a node, data parallelism across nodes; "
           "fsdp_tp: the same with every parameter sharded among its replicas.  Checked against published "
-          "runs, benchmarks/published.py finds H100 training reaching about 0.55x the compute rate "
+          "runs, benchmarks/published.py finds H100 training reaching about 0.57x the compute rate "
           "simulated here: read tokens/s and MFU as upper bounds.)")
     return 0
 
