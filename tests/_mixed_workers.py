@@ -14,19 +14,26 @@ from _loop_workers import batch_for, build, make_strategy
 STEPS = 3
 
 
-def _loop(model, batch: int, autocast: bool) -> tuple[list, dict]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam would amplify rounding noise of near-0 gradients)
+def _loop(model, batch: int, autocast: bool, scaler=None, dtype=torch.bfloat16) -> list:
+    """SGD steps (Adam would amplify rounding noise of near-0 gradients), under autocast to
+    ``dtype`` if asked, through a loss ``scaler`` if given; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for i in range(STEPS):
         opt.zero_grad()
         xs = batch_for(model if hasattr(model, "input_specs") else model.original_module, batch, i)
         if autocast:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=dtype):
                 loss = model(*xs)
         else:
             loss = model(*xs)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         losses.append(float(loss.detach()))
     return losses
 
@@ -72,24 +79,6 @@ def mixed(rank: int, name: str, batch: int, specs) -> list:
     return out
 
 
-def _loop16(model, batch: int, scaler, autocast: bool) -> list:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for i in range(STEPS):
-        opt.zero_grad()
-        xs = batch_for(model if hasattr(model, "input_specs") else model.original_module, batch, i)
-        if autocast:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(*xs)
-        else:
-            loss = model(*xs)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def mixed16(rank: int, name: str, batch: int, specs) -> list:
     """16-mixed with loss scaling (torch's ShardedGradScaler, which agrees on skipped steps
     across the ranks) against one process under float16 autocast with a GradScaler: (spec,
@@ -103,7 +92,7 @@ def mixed16(rank: int, name: str, batch: int, specs) -> list:
     ref = copy.deepcopy(module)
     kw = {"init_scale": 2.0 ** 14, "growth_interval": 2}  # (grows once within the steps)
     ref_scaler = torch.amp.GradScaler("cpu", **kw)
-    ref_losses = _loop16(ref, batch, ref_scaler, True)
+    ref_losses = _loop(ref, batch, True, ref_scaler, torch.float16)
     graph = ff.trace(module, example)
     out = []
     for spec in specs:
@@ -111,7 +100,7 @@ def mixed16(rank: int, name: str, batch: int, specs) -> list:
         strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
         par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="16-mixed")
         scaler = ShardedGradScaler(device="cpu", **kw)
-        losses = _loop16(par, batch, scaler, False)
+        losses = _loop(par, batch, False, scaler)
         state = par.state_dict()
         refs = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
         whole = _norm([state[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
