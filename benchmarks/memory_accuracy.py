@@ -97,28 +97,13 @@ def predicted_peak(graph, devices: int, optimizer: str) -> int:
     return int(res.peak_memory[0])
 
 
-def _dp_worker(rank: int, name: str, batch: int) -> tuple[int, int]:
-    """On each gloo rank: (this device's predicted peak, the MemTracker peak) of one AdamW step
-    of a data-parallel ParallelModule over the global batch ``batch``."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    module, inputs = ff.models.get(name, size="small", batch_size=batch)
-    graph = ff.trace(module, inputs)
-    m = Machine.preset("cpu", devices=torch.distributed.get_world_size())
-    s = Strategy.data_parallel(graph, m)
-    pred = Simulator(graph, m, optimizer="adam", reduce_outputs="eager").simulate(s).peak_memory[rank]
-    par = ff.parallelize(module, example_inputs=inputs, strategy=s, machine=m, reduce_outputs="eager",
-                         optimizer="adam")
-    step, opt = _parallel_step(par, inputs)
-    return int(pred), tracked_step(step, par, opt)["measured_bytes"]
-
-
 def dp_case(name: str, devices: int) -> dict:
     """Data parallelism on ``devices`` gloo ranks at 8 samples a device; the rank with the
     largest measured peak."""
     t0 = time.perf_counter()
     per = ff.models.get(name, size="small")[1][0].shape[0]
-    res = ff.launch(_dp_worker, devices, name, devices * per, timeout_s=900)
+    res = [(r["data_parallel"]["predicted_bytes"], r["data_parallel"]["measured_bytes"])
+           for r in ff.launch(_shard_worker, devices, name, ("data_parallel",), devices * per, timeout_s=900)]
     pred, meas = max(res, key=lambda r: r[1])
     row = {"model": name, "size": "small", "batch": int(per), "devices": devices, "optimizer": "adam",
            "predicted_bytes": pred, "measured_bytes": meas, "error": (pred - meas) / meas,
@@ -233,9 +218,9 @@ def _feature_row(case, name, graph, devices, optimizer, ranks, t0) -> dict:
     return row
 
 
-def _small(name):
+def _small(name, batch=None):
     torch.manual_seed(0)
-    module, inputs = ff.models.get(name, size="small")
+    module, inputs = ff.models.get(name, size="small", **({} if batch is None else {"batch_size": batch}))
     return module, inputs, ff.trace(module, inputs)
 
 
@@ -306,11 +291,11 @@ def _shard_strategy(case, graph, machine):
     return Strategy.zero(graph, machine, int(case[-1]))
 
 
-def _shard_worker(rank: int, name: str, cases) -> dict:
+def _shard_worker(rank: int, name: str, cases, batch=None) -> dict:
     """On each of the gloo ranks: every case's prediction for this rank's device and its
-    measured step."""
+    measured step (the model's small size, at the global ``batch`` if given)."""
     torch.set_num_threads(1)
-    module, inputs, graph = _small(name)
+    module, inputs, graph = _small(name, batch)
     m = Machine.preset("cpu", devices=torch.distributed.get_world_size())
     sim = Simulator(graph, m, optimizer="adam", reduce_outputs="eager")
     out = {}

@@ -32,7 +32,8 @@ import torch
 
 from ..graph.ir import Op
 
-__all__ = ["Precision", "PRECISIONS", "precision", "priced_op", "priced_ops", "priced_cost_model"]
+__all__ = ["Precision", "PRECISIONS", "gathers_in_compute", "precision", "priced_op", "priced_ops",
+           "priced_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,14 @@ LOWERED_RULES = frozenset({"linear", "linear_t", "matmul", "conv", "attention"})
 # op kinds with parameters whose output follows input 0's dtype (the parameters do not
 # promote it): normalizations and the recurrent cell, as torch runs them under autocast
 _FOLLOW_INPUT0 = frozenset({"layer_norm", "rms_norm", "batch_norm", "group_norm", "instance_norm", "lstm_cell"})
+
+
+def gathers_in_compute(prec: Precision, rules) -> bool:
+    """Whether a sharded parameter that ops of ``rules`` read is gathered (and held) in the
+    compute dtype under ``prec``: under ``*-mixed``, where only lowered rules read it (autocast
+    casts it so for them anyway); the executor and the simulator both ask this."""
+    rules = set(rules)
+    return prec.mixed and bool(rules) and rules <= LOWERED_RULES
 
 
 def _autocast_dtypes(graph, prec: Precision) -> dict:

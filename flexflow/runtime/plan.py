@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cost.model import GRAD_BUCKET_BYTES
-from ..cost.precision import LOWERED_RULES, PRECISIONS
+from ..cost.precision import LOWERED_RULES, PRECISIONS, gathers_in_compute
 from ..graph.ir import Op, OpGraph, dtype_bytes
 from ..graph.ops import RULES
 from ..graph.ops.base import region_shape
@@ -305,7 +305,7 @@ class Plan:
         out = {}
         for q in self.shard_level:
             own = self.params[q].dtype
-            low = pr.mixed and own.is_floating_point and readers.get(q, {None}) <= LOWERED_RULES
+            low = own.is_floating_point and gathers_in_compute(pr, readers.get(q, ()))
             out[q] = pr.compute if low else own
         return out
 

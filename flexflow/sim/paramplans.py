@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cost.model import GRAD_BUCKET_BYTES
-from ..cost.precision import LOWERED_RULES
+from ..cost.precision import gathers_in_compute
 from ..graph.ir import dtype_bytes
 from ..graph.ops.base import region_numel
 from ..strategy.regions import param_placement
@@ -114,7 +114,7 @@ class ParamPlanning:
         # all-reduce (the executor buckets them), charged per bucket share.
         groups: dict[tuple, list] = {}  # devices -> [bytes, first (param, shard), reduce bytes, gather bytes]
         shard_list = []
-        lowered = not prec.mixed or all(ops[o].rule in LOWERED_RULES for o in us)
+        lowered = not prec.mixed or gathers_in_compute(prec, (ops[o].rule for o in us))
         for pi in pidx:
             _, shards, trainable = place[self.param_names[pi]]
             o0, local = self.param_first[pi]

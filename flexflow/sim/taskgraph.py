@@ -277,6 +277,8 @@ class TaskGraph(_Patching):
         group's whose place among the sharded units moved (:meth:`Liveness.neighbours`)."""
         live = self.ctx.live
         st = live.group_status(g, self.CPLAN)
+        if st is None and self.GSTAT[g] is None:  # not sharded, before or now: no events to change
+            return
         if st != self.GSTAT[g]:
             self.GSTAT[g] = st
             nbs = live.neighbours(self.GSTAT)
