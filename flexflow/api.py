@@ -310,8 +310,9 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     replaces data parallelism only when predicted at least this much faster.
     ``finalists``: after the search, its best few distinct strategies (this many, data
     parallelism always among them) each run ``finalist_steps`` timed training steps on
-    the ranks (forward, backward, sync, optimizer step; the module's parameters, buffers
-    and random state are left as they were), and the fastest measured is the one
+    the ranks, more when steps are short (``flexflow.finalists.measure.TIMED_S``):
+    forward, backward, sync, optimizer step; the module's parameters, buffers and random
+    state are left as they were.  The fastest measured is the one
     returned; a finalist that fails is dropped with a warning.  Measuring takes part of
     ``budget`` (a quarter is kept for it), and what the finalists measured corrects the
     host's cost model for the next search (:mod:`flexflow.cost.corrections`).  0 or 1:

@@ -19,7 +19,7 @@ from flexflow.cost.corrections import (
 from flexflow.cost.model import CostModel
 from flexflow.finalists import Finalist, not_runnable, pick_finalists
 from flexflow.finalists.fit import fit_corrections
-from flexflow.finalists.measure import _plan_rounds, fastest
+from flexflow.finalists.measure import TIMED_S, _plan_rounds, fastest
 from flexflow.plan import searched_plan
 
 
@@ -72,11 +72,16 @@ def test_plan_lists_finalists_and_round_trips(mlp):
 
 
 def test_measuring_fits_the_budget():
-    assert _plan_rounds(6, 0.0, 1.0) == (3, 2)
-    assert _plan_rounds(6, 0.1, 10.0) == (3, 2)
-    assert _plan_rounds(6, 0.1, 0.35) == (3, 1)  # one step per round fits, two do not
+    assert _plan_rounds(6, 0.0, 1.0) == (5, 2)
+    assert _plan_rounds(6, 0.1, 10.0, 1) == (5, 2)  # 10 steps of 0.1 s: more than TIMED_S already
+    assert _plan_rounds(6, 0.1, 0.55) == (5, 1)  # one step per round fits, two do not
     assert _plan_rounds(6, 1.0, 0.1) == (1, 1)  # at least one step
     assert _plan_rounds(2, 0.0, 1.0) == (2, 1)
+    # 3 finalists of 5 ms: each repeats to about TIMED_S, within the time left
+    rounds, per = _plan_rounds(6, 0.015, 10.0, 3)
+    assert rounds == 5 and rounds * per * 0.005 == pytest.approx(TIMED_S, rel=0.1)
+    rounds, per = _plan_rounds(6, 0.015, 0.5, 3)  # little time: 80% of it at most
+    assert rounds * per * 0.015 <= 0.4 and per >= 2
 
 
 # ---- corrections -----------------------------------------------------------------------------

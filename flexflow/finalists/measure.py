@@ -31,10 +31,11 @@ from ..runtime.module import ParallelModule
 from ..runtime.program import check_programs
 from .select import Finalist
 
-__all__ = ["FINALIST_TIMEOUT_S", "ROUNDS", "WARMUP", "fastest", "measure"]
+__all__ = ["FINALIST_TIMEOUT_S", "ROUNDS", "TIMED_S", "WARMUP", "fastest", "measure"]
 
 WARMUP = 2  # untimed steps of each finalist first
-ROUNDS = 3  # interleaved rounds the timed steps are spread over
+ROUNDS = 5  # interleaved rounds the timed steps are spread over (fewer when there are fewer steps)
+TIMED_S = 0.3  # short steps repeat until each finalist's timed steps last about this long, time allowing
 FINALIST_TIMEOUT_S = 30.0  # a finalist's wait for a peer, at least (the caller's timeout when shorter)
 _MEMORY_SHARE = 0.8  # finalists run side by side when their predicted peaks fit this share of a device
 
@@ -148,13 +149,18 @@ def _groups(finalists: list[Finalist]) -> list[list[Finalist]]:
     return [[f] for f in finalists]
 
 
-def _plan_rounds(steps: int, per_step_s: float, left_s: float) -> tuple[int, int]:
-    """(rounds, steps per round) for ``steps`` timed steps of finalists whose steps take
-    ``per_step_s`` together, within ``left_s`` (at least one round of one step)."""
+def _plan_rounds(steps: int, per_step_s: float, left_s: float, count: int = 1) -> tuple[int, int]:
+    """(rounds, steps per round) for at least ``steps`` timed steps of each of ``count``
+    finalists whose steps take ``per_step_s`` together, within ``left_s`` (at least one round
+    of one step).  Short steps repeat until each finalist's timed steps last about ``TIMED_S``
+    (all of them together at most 80% of ``left_s``): two steps of 3 ms measure the host's
+    noise more than the step."""
     rounds = min(ROUNDS, steps)
     per = max(1, math.ceil(steps / rounds))
     if per_step_s <= 0:
         return rounds, per
+    fill = min(TIMED_S * max(1, count), 0.8 * left_s)
+    per = max(per, int(fill / (per_step_s * rounds)))
     per = max(1, min(per, int(left_s / (per_step_s * rounds))))
     rounds = max(1, min(rounds, int(left_s / (per_step_s * per))))
     return rounds, per
@@ -166,7 +172,8 @@ def measure(finalists: list[Finalist], graph, module, inputs, kwargs=None, ranks
             optimizer: str = "sgd", precision: str = "32-true") -> float:
     """Run and time ``finalists`` (collective; see the module's docstring): each gets
     ``measured_s`` and ``rounds_s``, or ``dropped``.  ``steps``: timed steps per finalist,
-    fewer when they would not fit in ``seconds`` (at least one each).  Returns the seconds
+    fewer when they would not fit in ``seconds`` (at least one each), more when they are short
+    (``TIMED_S``).  Returns the seconds
     it took (the slowest rank's).  ``precision``: the executor's (as the run will train)."""
     t0 = time.perf_counter()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -208,7 +215,7 @@ def measure(finalists: list[Finalist], graph, module, inputs, kwargs=None, ranks
                     warm[run.f.name] = max(dt for _, dt in got) / WARMUP
             spent = max(_gather(time.perf_counter() - t0))
             left = (seconds - spent) / (len(groups) - gi)
-            rounds, per = _plan_rounds(steps, sum(warm.values()), left)
+            rounds, per = _plan_rounds(steps, sum(warm.values()), left, len(warm))
             times = {run.f.name: [] for run in runs}
             for r in range(rounds):
                 errs = {}
