@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - another torch
     get_untyped_storages = None
 
 import flexflow as ff
+from flexflow.graph.ir import repeated_block
 from flexflow.hardware.machine import Machine
 from flexflow.sim.simulate import Simulator
 from flexflow.strategy.strategy import Strategy
@@ -141,12 +142,14 @@ def case(name, size, batch, devices, optimizer) -> dict:
 
 # ---- training features: bf16-mixed, recomputation, shard levels ---------------------------
 CPU = torch.device("cpu")
+BLOCKS = "blocks"  # recompute every op of the repeated blocks (block checkpointing)
 BF16_MODELS = ("lenet", "alexnet", "rnnlm", "nmt", "transformer", "gpt2", "llama")
 RECOMPUTE_MODELS = ("alexnet", "transformer", "gpt2", "llama")
 SHARD_MODELS = ("transformer", "gpt2", "llama", "alexnet")
 QUICK = {"bf16": ("alexnet", "transformer", "llama"), "recompute": ("transformer", "gpt2"),
          "shard": ("transformer",)}
-RECOMPUTE = {"recompute none": (), "recompute linear": ("linear",), "recompute activation": ("gelu", "relu")}
+RECOMPUTE = {"recompute none": (), "recompute linear": ("linear",), "recompute activation": ("gelu", "relu"),
+             "recompute blocks": BLOCKS}
 SHARD = ("data_parallel", "zero1", "zero2", "fsdp")
 TOP_LIVE = 10  # tensors named per peak in the JSON
 
@@ -245,9 +248,10 @@ def bf16_case(name: str, optimizer: str) -> dict:
 
 
 def with_recompute(strategy, graph, kinds):
-    """``strategy`` with ``recompute`` on every op of these kinds."""
+    """``strategy`` with ``recompute`` on every op of these kinds (``BLOCKS``: on every op of
+    the repeated blocks)."""
     for op in graph.compute_ops:
-        if op.kind in kinds:
+        if op.kind in kinds if kinds != BLOCKS else repeated_block(op.module_path):
             strategy = strategy.replace(op.name, strategy[op.name].with_recompute())
     return strategy
 
@@ -269,7 +273,8 @@ def recompute_case(name: str, case: str) -> dict | None:
     t0 = time.perf_counter()
     module, inputs, graph = _small(name)
     kinds = RECOMPUTE[case]
-    if kinds and not any(op.kind in kinds for op in graph.compute_ops):
+    if kinds and not any(op.kind in kinds if kinds != BLOCKS else repeated_block(op.module_path)
+                         for op in graph.compute_ops):
         return None
     m = Machine.preset("cpu", devices=1)
     s = with_recompute(Strategy.data_parallel(graph, m), graph, kinds)

@@ -65,14 +65,28 @@ def _initial():
     return [t.clone() for t in Net().state_dict().values()]
 
 
-class DropNet(nn.Module):
-    def __init__(self, width: int = 16):
+class DropBlock(nn.Module):
+    def __init__(self, width: int):
         super().__init__()
         self.a = nn.Linear(width, 4 * width)
         self.b = nn.Linear(4 * width, width)
 
+    def forward(self, x):
+        return x + self.b(F.dropout(F.gelu(self.a(x)), 0.3, self.training))
+
+
+class DropNet(nn.Module):
+    """Two residual blocks with dropout: recomputing every op chains each block's ops (one
+    checkpoint a block, :func:`flexflow.graph.ir.repeated_block`)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(DropBlock(width) for _ in range(2))
+
     def forward(self, x, y):
-        return F.mse_loss(self.b(F.dropout(F.gelu(self.a(x)), 0.3, self.training)), y)
+        for blk in self.blocks:
+            x = blk(x)
+        return F.mse_loss(x, y)
 
 
 def recompute_same(rank: int, seed: int) -> dict:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Dim", "Op", "OpGraph", "InputRef", "ParamRef", "dtype_bytes"]
+__all__ = ["Dim", "Op", "OpGraph", "InputRef", "ParamRef", "dtype_bytes", "repeated_block"]
 
 
 _DTYPE_BYTES: dict = {torch.bool: 1}
@@ -26,6 +26,20 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     if n is None:
         n = _DTYPE_BYTES[dtype] = torch.empty((), dtype=dtype).element_size()
     return n
+
+
+def repeated_block(module_path: str) -> str:
+    """The repeated block an op ran in: its module's qualified name up to and including the
+    first component that is an index (``"layers.3.mlp.up"`` -> ``"layers.3"``, ``"h.11"``
+    -> ``"h.11"``); ``""`` outside such a block.  Recomputed ops of one block form one
+    checkpoint, as checkpointing a whole transformer block does: a recomputed op's input
+    made by a recomputed op of its own block is not kept for the backward but made again
+    (:mod:`flexflow.runtime.recompute`, :mod:`flexflow.sim.memory`)."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
 
 
 @dataclass(frozen=True)

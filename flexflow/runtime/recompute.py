@@ -11,8 +11,11 @@ and hands out the view.  So the output lives from the op's forward to its
 last forward reader, and again from the first backward that needs it, as
 the simulator assumes (:mod:`flexflow.sim.memory`); a recomputed op read by
 another recomputed op stays until that one's backward (its checkpoint holds
-its inputs).  A sharded level-3 parameter the recomputation reads is
-gathered again first.
+its inputs) -- unless both ran in one repeated block
+(:func:`flexflow.graph.ir.repeated_block`): then the checkpoint keeps a recipe for the input
+instead of the input, and the backward makes it again first, so the recomputed ops of a
+transformer block keep only what comes into the block, as checkpointing the whole block
+does.  A sharded level-3 parameter the recomputation reads is gathered again first.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..graph.ir import repeated_block
 from .compute import _compute
 
 __all__ = ["Recomputing"]
@@ -46,9 +50,21 @@ class _Source:
         self.cache = None
 
 
+class _Lazy:
+    """A checkpointed op's input that is the output of a recomputed op of its block: the
+    tensor during the forward, a recipe afterwards (the checkpoint does not keep it)."""
+
+    __slots__ = ("t", "recipe", "grad")
+
+    def __init__(self, t, recipe):
+        self.t, self.recipe, self.grad = t, recipe, t.requires_grad
+
+
 def _remake(rt, op, block, ins, params, rng, auto, quals):
     """The partition computed again as in its forward (random and autocast state);
-    level-3 parameters it reads gathered again first."""
+    level-3 parameters it reads gathered again first, inputs that are recipes (recomputed
+    outputs of the op's block) made again first."""
+    ins = [rt._rc_unpack(x) if isinstance(x, _Recipe) else x for x in ins]
     if rt.units and quals:
         for ui, u in enumerate(rt.units):
             if any(q in rt._freed for q in u.quals if q in quals):
@@ -81,18 +97,43 @@ class Recomputing:
         quals = [q for _, q, *_ in step.params]
         rng = torch.get_rng_state()
         n = len(ins)
+        # inputs made by recomputed ops of this op's block: recipes, not kept
+        here = repeated_block(op.module_path)
+        args, kept = [], []
+        for t in ins:
+            src = self._rc_source(t) if here else None
+            if src is not None and repeated_block(src.op.module_path) == here:
+                lazy = _Lazy(t, self._rc_pack(t))
+                args.append(lazy)
+                kept.append(lazy.recipe)
+            else:
+                args.append(t)
+                kept.append(t)
 
-        def fn(*args):
-            return _compute(op, block, list(args[:n]), dict(zip(keys, args[n:])))
-        out = checkpoint(fn, *ins, *[params[k] for k in keys], use_reentrant=False, preserve_rng_state=True)
+        def fn(*a):
+            return _compute(op, block, [self._rc_take(x) for x in a[:n]], dict(zip(keys, a[n:])))
+        out = checkpoint(fn, *args, *[params[k] for k in keys], use_reentrant=False, preserve_rng_state=True)
+        for x in args:
+            if isinstance(x, _Lazy):
+                x.t = None
         if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr():
             # the tensor that owns the output's storage (a linear on 3-d inputs returns a
             # view of its 2-d result, and readers' views, split pieces, hold that one) holds
             # the source, and a reader's recipe too: nothing else does
             root = out if out._base is None else out._base
-            root._ff_rc_source = _Source(op, block, list(ins), dict(params), rng, auto, out.storage_offset(), quals)
+            root._ff_rc_source = _Source(op, block, kept, dict(params), rng, auto, out.storage_offset(), quals)
             self._rc_live[out.untyped_storage().data_ptr()] = weakref.ref(root)
         return out
+
+    def _rc_take(self, x):
+        """A checkpoint's input: itself, or a :class:`_Lazy`'s tensor (in the forward) or its
+        recipe made again (in the backward's recomputation, as the forward saw it)."""
+        if not isinstance(x, _Lazy):
+            return x
+        if x.t is not None:
+            return x.t
+        t = self._rc_unpack(x.recipe).detach()
+        return t.requires_grad_(x.grad) if x.grad else t
 
     def _rc_source(self, t):
         """The source of the recomputed output ``t`` lives in (None: it is no such thing)."""

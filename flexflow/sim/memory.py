@@ -28,7 +28,13 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
   received input regions, so recomputing an op whose input is saved anyway (GELU, a
   linear layer's output before GELU) saves its output, and one that saves only its output
   (ReLU) saves nothing.  A recomputed op that a recomputed consumer reads stays kept until
-  that consumer's backward (its checkpoint holds its inputs).  The time is the template's (``plans.py``: a
+  that consumer's backward (its checkpoint holds its inputs) -- unless both are of one
+  repeated block (:func:`flexflow.graph.ir.repeated_block`): then the consumer keeps a recipe
+  and the op is made again where the first of its block's readers is (``chain_pos``, taken
+  as if every reader in the block were recomputed), kept to the last of their backwards; so
+  recomputing every op of a transformer block keeps what comes into the block, as block
+  checkpointing does.  A recomputed op of a block holds its other inputs to its backward.
+  An autocast or re-laid copy a recomputed op saves is made again in its backward instead.  The time is the template's (``plans.py``: a
   recomputed partition's backward lasts its forward plus its backward);
 - the gradient of an op's output, from the backward of its last consumer to its own
   backward; every other consumer's contribution is a transient at that consumer's backward;
@@ -64,7 +70,7 @@ import itertools
 
 import numpy as np
 
-from ..graph.ir import dtype_bytes
+from ..graph.ir import dtype_bytes, repeated_block
 from ..graph.ops.base import region_numel
 from ..strategy.regions import partitions
 from .unitmem import UnitEvents
@@ -214,6 +220,17 @@ class Liveness(UnitEvents):
             if self.savers[o]:
                 self.rc_pos[o] = 2 * n - 1 - max(self.savers[o])
             self.rc_real[o] = bool(self.savers[o]) or (self.rg[o] and (sv.output or bool(sv.extra[0])))
+        # recomputed ops of one repeated block chain (one checkpoint a block): where a
+        # recomputed op is first made again when its block's readers are all recomputed too --
+        # the earliest remaking of any reader in its block (a reader's remaking makes its
+        # inputs again first), else its own ``rc_pos``
+        self.block = [repeated_block(op.module_path) for op in ops]
+        self.chain_pos = list(self.rc_pos)
+        for o in reversed(ctx.compute):
+            if self.block[o] and not self.view[o]:
+                for v, _ in self.uses[o]:
+                    if not self.view[v] and self.block[v] == self.block[o]:
+                        self.chain_pos[o] = min(self.chain_pos[o], self.chain_pos[v])
         self._owner = list(range(n))  # op -> the op whose output storage it views (itself)
         for o in range(n):
             if self.view[o]:
@@ -367,7 +384,9 @@ class Liveness(UnitEvents):
 
         live(0, self.update_pos, gin)
         rg = self.rg
-        rc = cfg[o].recompute and self.rc_real[o]  # recomputed in the backward (see _recomputed)
+        # recomputed in the backward (see _recomputed): where that drops something, or where a
+        # recomputed reader of its block makes it again rather than keep it
+        rc = cfg[o].recompute and (self.rc_real[o] or self._chained(o, cfg))
         if not self.view[o]:
             # the output (storage owner): its last forward read, its last saving backward
             last_f = max([F] + [v for v, _ in self.uses[o]])
@@ -384,7 +403,7 @@ class Liveness(UnitEvents):
                     if rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs) and not self.copies(v, j, o):
                         _, _, _, von = self.rows(v, cfg[v])
                         np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
-                    elif cfg[v].recompute and self.rc_real[v]:  # v's checkpoint holds its inputs to its backward
+                    elif self._holds(v, cfg):  # v's checkpoint holds its inputs to its backward
                         _, _, _, von = self.rows(v, cfg[v])
                         np.maximum(keep, np.where(von, 2 * n - 1 - v, 0), out=keep)
                 for f in sorted(set(keep[on].tolist())):
@@ -428,7 +447,11 @@ class Liveness(UnitEvents):
                 w = self._owner[u]
                 if w >= 0 and self.copies(o, j, w):
                     saved = rg[o] and (sv.inputs == "all" or j in sv.inputs)
-                    live(F, B if saved else F, self.cast_bytes(o, cfg[o], j))
+                    if saved and rc:  # the checkpoint keeps the input, not the copy: made again
+                        live(F, F, self.cast_bytes(o, cfg[o], j))
+                        live(B, B, self.cast_bytes(o, cfg[o], j))
+                    else:
+                        live(F, B if saved else F, self.cast_bytes(o, cfg[o], j))
         # input regions received from other devices (and their gradients, sent back)
         saved_in = sv.inputs
         for j in ctx.ext_inputs[o]:
@@ -444,6 +467,17 @@ class Liveness(UnitEvents):
         ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
         self._ev[key] = ev
         return ev
+
+    def _chained(self, o: int, cfg: list) -> bool:
+        """Whether a recomputed reader of op o's block makes o again (one checkpoint)."""
+        b = self.block[o]
+        return bool(b) and any(cfg[v].recompute and self.block[v] == b and not self.view[v] for v, _ in self.uses[o])
+
+    def _holds(self, v: int, cfg: list) -> bool:
+        """Whether recomputed op v keeps its inputs (those not of its block's recomputed ops)
+        to its backward: its checkpoint does where it saves anything, and so does the recipe
+        of an op of a repeated block (its block's readers make it again from them)."""
+        return cfg[v].recompute and not self.view[v] and (self.rc_real[v] or bool(self.block[v]))
 
     def _recomputed(self, o: int, cfg: list, sv, out, on, last_f: int, live) -> None:
         """The output events of an op o recomputed in the backward (``cfg[o].recompute``):
@@ -462,9 +496,16 @@ class Liveness(UnitEvents):
             until[:] = B
             again[:] = True
         for v, j in self.uses[o]:
-            if cfg[v].recompute and self.rc_real[v]:  # its checkpoint holds its inputs to its backward
+            if self._holds(v, cfg):
                 _, _, _, von = self.rows(v, cfg[v])
-                np.maximum(kept, np.where(von, 2 * n - 1 - v, 0), out=kept)
+                if self.block[o] and self.block[v] == self.block[o] and not self.view[v]:
+                    # one checkpoint: v keeps a recipe, and its remaking (or its backward's
+                    # recomputation) makes o again first, kept while v's checkpoint lives
+                    np.maximum(until, np.where(von, 2 * n - 1 - v, 0), out=until)
+                    again |= von
+                    R = min(R, self.chain_pos[v])
+                else:  # its checkpoint holds its inputs to its backward
+                    np.maximum(kept, np.where(von, 2 * n - 1 - v, 0), out=kept)
                 continue
             if v in self.savers[o]:
                 s = _saves(ops[v])
