@@ -133,14 +133,18 @@ def test_reduce_scatter_and_bucketed_allreduce():
 
 
 def test_kernel_efficiency_reaches_the_cost_model():
+    from flexflow.hardware.specs import RUN_EFFICIENCY
+    run = RUN_EFFICIENCY["H100"]
     h100 = CostModel(Machine.preset("h100-node"))
-    assert h100.efficiency["linear"] == 0.8 and h100.efficiency["attention"] == 0.35
+    assert h100.efficiency["linear"] == pytest.approx(0.8 * run)
+    assert h100.efficiency["attention"] == pytest.approx(0.35 * run)
+    assert h100.efficiency["default"] == pytest.approx(DEFAULT_EFFICIENCY["default"] * run)  # every rule
     a100 = CostModel(Machine.preset("a100-cluster"))
-    assert a100.efficiency["attention"] == 0.6
+    assert a100.efficiency["attention"] == pytest.approx(0.6 * RUN_EFFICIENCY["A100"])
     p100 = CostModel(Machine.preset("p100-cluster"))
     assert p100.efficiency == DEFAULT_EFFICIENCY  # the paper's presets: the defaults as before
     mine = CostModel(Machine.preset("h100-node"), efficiency={"linear": 0.5})
-    assert mine.efficiency["linear"] == 0.5  # a caller's figures win
+    assert mine.efficiency["linear"] == 0.5  # a caller's figures win, as given
 
 
 def test_machine_json_with_rails_and_collectives(tmp_path):
@@ -151,7 +155,9 @@ def test_machine_json_with_rails_and_collectives(tmp_path):
                              (("collectives", "ring_busbw_Bps"), -1, "collectives.ring_busbw_Bps"),
                              (("collectives", "fast"), 1, "collectives.fast"),
                              (("device", "efficiency", "linear"), 1.5, "device.efficiency.linear"),
-                             (("device", "efficiency"), [0.5], "device.efficiency")]:
+                             (("device", "efficiency"), [0.5], "device.efficiency"),
+                             (("device", "run_efficiency"), 1.5, "device.run_efficiency"),
+                             (("device", "run_efficiency"), 0, "device.run_efficiency")]:
         bad = json.loads(json.dumps(d))
         target = bad
         for k in path[:-1]:

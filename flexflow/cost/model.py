@@ -206,7 +206,12 @@ class CostModel:
         self.machine = machine
         self.efficiency = dict(DEFAULT_EFFICIENCY)
         # the device's published kernel efficiencies (hardware.specs.KERNEL_EFFICIENCY), if any
-        self.efficiency.update(getattr(getattr(machine, "spec", None), "efficiency", None) or {})
+        spec = getattr(machine, "spec", None)
+        self.efficiency.update(getattr(spec, "efficiency", None) or {})
+        # what a training run reaches of those rates (hardware.specs.RUN_EFFICIENCY)
+        run = getattr(spec, "run_efficiency", 1.0)
+        if run != 1.0:
+            self.efficiency = {k: v * run for k, v in self.efficiency.items()}
         if efficiency:
             self.efficiency.update(efficiency)
         self.profile = profile  # optional measured times, see flexflow.cost.profile

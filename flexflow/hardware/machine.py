@@ -38,6 +38,7 @@ from .specs import (
     _bool,
     _check_keys,
     _efficiency,
+    _run_efficiency,
     _int,
     _is_num,
     _link,
@@ -387,7 +388,7 @@ class Machine:
         dev = d["device"]
         _check_keys(dev, "device.", {"kind", "peak_flops", "mem_bw_Bps", "memory_bytes"},
                     {"launch_overhead_s", "backend", "comm_on_cores", "sync_skew", "output_sync_s",
-                     "message_lag_s", "efficiency"})
+                     "message_lag_s", "efficiency", "run_efficiency"})
         for k, v in (("name", d["name"]), ("device.kind", dev["kind"])):
             if not isinstance(v, str) or not v:
                 raise ValueError(f"machine JSON: '{k}' must be a non-empty string, not {v!r}")
@@ -408,7 +409,7 @@ class Machine:
                           None if dev.get("output_sync_s") is None
                           else _num(dev, "output_sync_s", "device.", zero_ok=True),
                           _num(dev, "message_lag_s", "device.", zero_ok=True, default=0.0),
-                          _efficiency(dev))
+                          _efficiency(dev), _run_efficiency(dev))
         nodes, dpn, inter = _int(d, "nodes"), _int(d, "devices_per_node"), d.get("inter_node")
         if nodes > 1 and inter is None:
             raise ValueError(f"machine JSON: 'inter_node' is required for {nodes} nodes")

@@ -52,6 +52,9 @@ class DeviceSpec:
     # Fraction of the peak FLOP/s that an op rule's kernels reach on this device, from
     # published kernel measurements (KERNEL_EFFICIENCY); the cost model's defaults where empty
     efficiency: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # What a training run reaches of those rates, every op rule alike (RUN_EFFICIENCY):
+    # the cost model multiplies its efficiencies by it (not ones given it explicitly)
+    run_efficiency: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -160,9 +163,19 @@ NCCL_FIGURES = {
 }
 
 
+# What a training run reaches of the kernels' rates (gaps between kernels, memory-bound ops
+# the roofline prices low, clocks under sustained load): one factor per GPU kind on every op
+# rule's efficiency, fitted to the rows of benchmarks/published.py marked ``fit`` (MosaicML
+# MPT and torchtitan runs) and checked on the others, which no fit has seen
+# (benchmarks/results/published.md).  The H200 takes the H100's: the same GH100 compute,
+# and no published H200 row.
+RUN_EFFICIENCY = {"H100": 0.574, "H200": 0.574, "A100": 0.841}
+
+
 # The devices of today's cluster presets: the datasheet figures with the kernel efficiencies
-# (GPU_SPECS keeps the plain figures the older presets and detect() use).
-CLUSTER_SPECS = {k: dataclasses.replace(GPU_SPECS[k], efficiency=KERNEL_EFFICIENCY[k]) for k in KERNEL_EFFICIENCY}
+# and the run factor (GPU_SPECS keeps the plain figures the older presets and detect() use).
+CLUSTER_SPECS = {k: dataclasses.replace(GPU_SPECS[k], efficiency=KERNEL_EFFICIENCY[k],
+                                        run_efficiency=RUN_EFFICIENCY[k]) for k in KERNEL_EFFICIENCY}
 
 
 # Links of today's clusters: a point-to-point message over NVSwitch at NCCL's effective
@@ -172,8 +185,8 @@ RAIL_LINK = {k: LinkSpec(f["nic_busbw_Bps"], 5e-6, "infiniband") for k, f in NCC
 
 
 def _spec_dict(spec: DeviceSpec) -> dict:
-    """A device spec as JSON; ``comm_on_cores``, ``sync_skew``, ``output_sync_s``, ``message_lag_s`` and
-    ``efficiency`` only when set (descriptions without them, and their fingerprints, stay as they were)."""
+    """A device spec as JSON; ``comm_on_cores``, ``sync_skew``, ``output_sync_s``, ``message_lag_s``,
+    ``efficiency`` and ``run_efficiency`` only when set (descriptions without them, and their fingerprints, stay as they were)."""
     d = dataclasses.asdict(spec)
     if not d["efficiency"]:
         del d["efficiency"]
@@ -183,6 +196,8 @@ def _spec_dict(spec: DeviceSpec) -> dict:
         del d["sync_skew"]
     if d["output_sync_s"] is None:
         del d["output_sync_s"]
+    if d["run_efficiency"] == 1.0:
+        del d["run_efficiency"]
     if not d["message_lag_s"]:
         del d["message_lag_s"]
     return d
@@ -245,6 +260,16 @@ def _try(f, default):
         return f()
     except Exception:
         return default
+
+
+def _run_efficiency(dev: dict) -> float:
+    """``device.run_efficiency`` of a machine JSON: a fraction in (0, 1], 1 when absent."""
+    if dev.get("run_efficiency") is None:
+        return 1.0
+    v = _num(dev, "run_efficiency", "device.")
+    if v > 1:
+        raise ValueError(f"machine JSON: 'device.run_efficiency' must be at most 1, not {dev['run_efficiency']!r}")
+    return v
 
 
 def _efficiency(dev: dict) -> dict:

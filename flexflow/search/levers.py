@@ -14,8 +14,9 @@ Which groups take which lever:
 
 - recomputation: groups whose output (or what they save besides: dropout masks, a loss's
   log-softmax) lives from the forward into the backward and is large -- at least 1/32 of
-  the largest such group (``Liveness.kept_for_backward``); recomputing anything else costs
-  its forward again and saves (almost) nothing;
+  the largest such group (``Liveness.kept_for_backward``), and every op of a repeated block
+  (recomputed together, a block's ops are one checkpoint that keeps only the block's inputs);
+  recomputing anything else costs its forward again and saves (almost) nothing;
 - shard levels: groups with parameters, under a base whose partitions hold replicas of a
   parameter region (:func:`flexflow.strategy.regions.has_param_replicas`).
 
@@ -50,7 +51,12 @@ class Levers:
             live, idx = ctx.live, graph.index
             kept = [max(live.kept_for_backward(idx[m]) for m in ms) for ms in self.members]
             top = max(kept, default=0)
-            self.recompute = [gi for gi, b in enumerate(kept) if b > 0 and b * _SMALL >= top]
+            big = {gi for gi, b in enumerate(kept) if b > 0 and b * _SMALL >= top}
+            # every op of a repeated block too: recomputed together they are one checkpoint a
+            # block (flexflow.graph.ir.repeated_block), which keeps only what enters the block
+            blocky = {gi for gi, ms in enumerate(self.members)
+                      if all(live.block[idx[m]] and not live.view[idx[m]] for m in ms)}
+            self.recompute = sorted(big | blocky)
         if shard:
             self.shard = [gi for gi, ms in enumerate(self.members) if all(graph.op(m).params for m in ms)]
         kind = [graph.op(r).kind for r in space.reps]
