@@ -63,9 +63,9 @@ def main(argv=None) -> int:
         print(f"  {name:<24} {r.iteration_time:7.2f} {r.tokens_per_s_per_device:10,.0f} {r.mfu:6.1%} "
               f"{max(r.peak_memory) / GiB:8.1f}  {'yes' if r.feasible else 'no'}")
     print("\n(megatron: tensor parallelism over the 8 GPUs of a node, data parallelism across nodes; "
-          "fsdp_tp: the same with every parameter sharded among its replicas.  Checked against published "
-          "runs, benchmarks/published.py finds H100 training reaching about 0.57x the compute rate "
-          "simulated here: read tokens/s and MFU as upper bounds.)")
+          "fsdp_tp: the same with every parameter sharded among its replicas.  The h100-cluster preset "
+          "prices kernels at their published rates times what published H100 runs reach of them (x0.57, "
+          "benchmarks/published.py: within 10% at the median of runs no fit saw).)")
     return 0
 
 
