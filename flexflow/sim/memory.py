@@ -14,7 +14,7 @@ at one position.  What lives (bytes are sizes of the regions :func:`partitions` 
 - the graph's inputs, whole on every device (every rank holds the global batch it hands
   the module), and the constants a device reads, the whole step;
 - an op's output, from its forward to its last use: the last forward that reads it, or the
-  backward of the last op that saves it (``_SAVES``: which inputs each op kind keeps for its
+  backward of the last op that saves it (``saves.py``: which inputs each op kind keeps for its
   backward, whether it keeps its output, and what more it keeps -- max-pool indices, dropout
   masks, the log-softmax of a loss, an LSTM cell's gates).  Views (flatten, getitem,
   transpose, view) own no storage: they keep their source alive as long as they are used;
@@ -70,9 +70,11 @@ import itertools
 
 import numpy as np
 
-from ..graph.ir import dtype_bytes, repeated_block
+from ..graph.ir import dtype_bytes
 from ..graph.ops.base import region_numel
 from ..strategy.regions import partitions
+from .rcmem import RecomputeEvents
+from .saves import _saves
 from .unitmem import UnitEvents
 
 __all__ = ["OPTIMIZERS", "optimizer_state_copies", "Liveness"]
@@ -93,65 +95,6 @@ def optimizer_state_copies(optimizer: str) -> int:
                          f"{', '.join(OPTIMIZERS)}") from None
 
 
-class _Saves:
-    """What an op kind keeps for its backward (from PyTorch's derivative formulas).
-
-    inputs: indices of the inputs it saves ("all": every tensor input);
-    output: it saves its output;
-    extra: (factor, per) -- more saved bytes: factor x the bytes of ``per`` ("out": the
-        output, "in0": input 0's region); ``itemsize`` replaces the dtype size when set;
-    fwd_temp / bwd_temp: transients of its forward / backward, in the same units."""
-
-    __slots__ = ("inputs", "output", "extra", "itemsize", "fwd_temp", "bwd_temp")
-
-    def __init__(self, inputs=(), output=False, extra=(0.0, "out"), itemsize=None,
-                 fwd_temp=(0.0, "out"), bwd_temp=(0.0, "out")):
-        self.inputs, self.output, self.extra, self.itemsize = inputs, output, extra, itemsize
-        self.fwd_temp, self.bwd_temp = fwd_temp, bwd_temp
-
-
-_SAVES = {
-    "conv2d": _Saves(inputs=(0,)), "conv1d": _Saves(inputs=(0,)),
-    "linear": _Saves(inputs=(0,)),
-    "batch_norm": _Saves(inputs=(0,)), "layer_norm": _Saves(inputs=(0,)),
-    "relu": _Saves(output=True), "sigmoid": _Saves(output=True), "tanh": _Saves(output=True),
-    "softmax": _Saves(output=True), "log_softmax": _Saves(output=True),
-    "gelu": _Saves(inputs=(0,)),
-    "max_pool2d": _Saves(inputs=(0,), extra=(1.0, "out"), itemsize=8),  # int64 indices
-    "max_pool1d": _Saves(inputs=(0,), extra=(1.0, "out"), itemsize=8),
-    "avg_pool2d": _Saves(inputs=(0,)), "adaptive_avg_pool2d": _Saves(inputs=(0,)),
-    "avg_pool1d": _Saves(inputs=(0,)),
-    "dropout": _Saves(extra=(1.0, "out"), itemsize=1),  # bool mask
-    # log_softmax of the logits is kept; its gradient is a transient of the backward
-    "cross_entropy": _Saves(extra=(1.0, "in0"), bwd_temp=(1.0, "in0")),
-    # composite cell: gates (4H) and tanh(c') (H) kept, out = (h', c') = 2H; the two gate
-    # products (2 x 4H) live until they are added; the backward's gate gradients likewise
-    "lstm_cell": _Saves(inputs="all", extra=(2.5, "out"), fwd_temp=(4.0, "out"),
-                        bwd_temp=(4.0, "out")),
-    "bmm": _Saves(inputs="all"), "matmul": _Saves(inputs="all"),
-    "embedding": _Saves(), "add": _Saves(), "sub": _Saves(), "cat": _Saves(), "stack": _Saves(),
-    "contiguous": _Saves(), "masked_fill": _Saves(), "neg": _Saves(),
-    "mul": _Saves(inputs="all"), "div": _Saves(inputs="all"),
-}
-_OPAQUE = _Saves(inputs="all")
-_NOTHING = _Saves()
-_BINARY = frozenset({"mul", "div"})  # by a scalar they keep nothing
-
-
-# a product keeps each factor for the other's gradient only: x * cos (a rotary table that
-# needs no gradient) keeps cos, not x; keyed by (input 1 needs a gradient, input 0 does)
-_MUL = {(a, b): _Saves(inputs=tuple(i for i, keep in ((0, a), (1, b)) if keep))
-        for a in (False, True) for b in (False, True)}
-
-
-def _saves(op) -> _Saves:
-    if op.kind in _BINARY and len(op.inputs) < 2:
-        return _NOTHING
-    if op.kind == "mul" and len(op.inputs) == 2:
-        return _MUL[op.input_needs_grad(1), op.input_needs_grad(0)]
-    return _SAVES.get(op.kind, _OPAQUE)
-
-
 def _contiguous(shape: tuple) -> tuple:
     st, acc = [], 1
     for x in reversed(shape):
@@ -166,7 +109,7 @@ def _flattens(shape: tuple, strides: tuple) -> bool:
     return all(s0 == x1 * s1 for (_, s0), (x1, s1) in itertools.pairwise(dims))
 
 
-class Liveness(UnitEvents):
+class Liveness(UnitEvents, RecomputeEvents):
     """Static liveness structure of a graph and the memory events of ops and clusters.
 
     ``op_events(o, cfg)`` -> (positions, rows): +row at each allocation, -row one position
@@ -201,36 +144,7 @@ class Liveness(UnitEvents):
                     if self.view[v]:
                         stack.append(v)
         self._layout_copies(ctx)
-        # recomputation (``ParallelConfig.recompute``): the consumers that save an owner's
-        # output for their backward (static), the position where a recomputed op runs again
-        # (the earliest backward that needs its output: the backward of its last saving
-        # consumer, or its own) and whether recomputing it drops anything at all
-        self.savers: list[list] = [[] for _ in ops]
-        self.rc_pos = [2 * n - 1 - o for o in range(n)]
-        self.rc_real = [False] * n
-        for o in ctx.compute:
-            if self.view[o]:
-                continue
-            sv = _saves(ops[o])
-            for v, j in self.uses[o]:
-                s = _saves(ops[v])
-                if self.rg[v] and not self.view[v] and (s.inputs == "all" or j in s.inputs) \
-                        and not self.copies(v, j, o):
-                    self.savers[o].append(v)
-            if self.savers[o]:
-                self.rc_pos[o] = 2 * n - 1 - max(self.savers[o])
-            self.rc_real[o] = bool(self.savers[o]) or (self.rg[o] and (sv.output or bool(sv.extra[0])))
-        # recomputed ops of one repeated block chain (one checkpoint a block): where a
-        # recomputed op is first made again when its block's readers are all recomputed too --
-        # the earliest remaking of any reader in its block (a reader's remaking makes its
-        # inputs again first), else its own ``rc_pos``
-        self.block = [repeated_block(op.module_path) for op in ops]
-        self.chain_pos = list(self.rc_pos)
-        for o in reversed(ctx.compute):
-            if self.block[o] and not self.view[o]:
-                for v, _ in self.uses[o]:
-                    if not self.view[v] and self.block[v] == self.block[o]:
-                        self.chain_pos[o] = min(self.chain_pos[o], self.chain_pos[v])
+        self._recompute_setup(ctx)
         self._owner = list(range(n))  # op -> the op whose output storage it views (itself)
         for o in range(n):
             if self.view[o]:
@@ -467,78 +381,6 @@ class Liveness(UnitEvents):
         ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
         self._ev[key] = ev
         return ev
-
-    def _chained(self, o: int, cfg: list) -> bool:
-        """Whether a recomputed reader of op o's block makes o again (one checkpoint)."""
-        b = self.block[o]
-        return bool(b) and any(cfg[v].recompute and self.block[v] == b and not self.view[v] for v, _ in self.uses[o])
-
-    def _holds(self, v: int, cfg: list) -> bool:
-        """Whether recomputed op v keeps its inputs (those not of its block's recomputed ops)
-        to its backward: its checkpoint does where it saves anything, and so does the recipe
-        of an op of a repeated block (its block's readers make it again from them)."""
-        return cfg[v].recompute and not self.view[v] and (self.rc_real[v] or bool(self.block[v]))
-
-    def _recomputed(self, o: int, cfg: list, sv, out, on, last_f: int, live) -> None:
-        """The output events of an op o recomputed in the backward (``cfg[o].recompute``):
-        kept from its forward to its last forward read, and further to the backward of a
-        recomputed consumer (``torch.utils.checkpoint`` holds a segment's inputs until its
-        backward), a copy that the recomputation does not reuse; made again at ``rc_pos[o]`` (the earliest backward that needs it) and kept to
-        the last backward that needs it on each device (its saving consumers', a recomputed
-        consumer's recomputation, its own where it saves its output) -- a transient at
-        ``rc_pos[o]`` on a device where none of those runs."""
-        n, D, ops = self.n, self.ctx.D, self.ctx.ops
-        R, B = self.rc_pos[o], 2 * n - 1 - o
-        kept = np.full(D, last_f, np.int64)
-        until = np.full(D, R, np.int64)
-        again = np.zeros(D, bool)  # devices where a reader needs the output made again
-        if sv.output and self.rg[o]:
-            until[:] = B
-            again[:] = True
-        for v, j in self.uses[o]:
-            if self._holds(v, cfg):
-                _, _, _, von = self.rows(v, cfg[v])
-                if self.block[o] and self.block[v] == self.block[o] and not self.view[v]:
-                    # one checkpoint: v keeps a recipe, and its remaking (or its backward's
-                    # recomputation) makes o again first, kept while v's checkpoint lives
-                    np.maximum(until, np.where(von, 2 * n - 1 - v, 0), out=until)
-                    again |= von
-                    R = min(R, self.chain_pos[v])
-                else:  # its checkpoint holds its inputs to its backward
-                    np.maximum(kept, np.where(von, 2 * n - 1 - v, 0), out=kept)
-                continue
-            if v in self.savers[o]:
-                s = _saves(ops[v])
-                if s.inputs == "all" or j in s.inputs:
-                    _, _, _, von = self.rows(v, cfg[v])
-                    np.maximum(until, np.where(von, 2 * n - 1 - v, 0), out=until)
-                    again |= von
-        for k, e, a in sorted(set(zip(kept[on].tolist(), until[on].tolist(), again[on].tolist()))):
-            row = np.where(on & (kept == k) & (until == e) & (again == a), out, 0)
-            live(o, k, row)
-            if a:
-                live(R, e, row)
-
-    def kept_for_backward(self, o: int) -> int:
-        """Bytes of op o's output and saved extras (whole op, compute dtype) that live from its
-        forward into the backward and that recomputing o drops: what ``recompute=True`` on o
-        can save (0 where it saves nothing)."""
-        if self.view[o] or not self.rc_real[o]:
-            return 0
-        op, cop = self.ctx.ops[o], self.ctx.cops[o]
-        bpe = dtype_bytes(cop.dtype)
-        numel = 1
-        for x in op.output_shape:
-            numel *= int(x)
-        sv = _saves(op)
-        total = numel * bpe if (self.savers[o] or (sv.output and self.rg[o])) and self.uses[o] else 0
-        if sv.extra[0]:
-            if sv.extra[1] == "in0" and op.input_shapes:
-                numel = 1
-                for x in op.input_shapes[0]:
-                    numel *= int(x)
-            total += int(numel * sv.extra[0] * (sv.itemsize or bpe))
-        return total
 
     def cluster_events(self, c: int, cp):
         """Events of a parameter cluster's plan ``cp``: parameters, buffers and optimizer
