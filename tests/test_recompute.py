@@ -362,3 +362,29 @@ def test_a_block_checkpoint_keeps_one_residual_stream_a_layer():
     blocks = max(sim.simulate(_blocks_recomputed(graph, fsdp), incremental=False).peak_memory)
     sbh = b * s * h
     assert plain - blocks > 0.8 * layers * (34 - 4) * sbh, (plain, blocks)
+
+
+def test_an_rnn_layers_steps_are_one_chain_and_remaking_it_does_not_recurse():
+    """An LSTM layer's 120 unrolled steps run in one module (``cells.0``): recomputing every
+    op chains them all, and the backward remakes the chain in a loop (not a recursion
+    deeper than Python's limit), with the gradients of the plain step."""
+    import dataclasses
+
+    import flexflow.models.rnn as R
+    cfg = dataclasses.replace(R.rnnlm_config("small"), steps=120)
+    torch.manual_seed(0)
+    module = R.RNNLM(cfg)
+    inputs = (torch.randint(0, cfg.vocab, (4, cfg.steps)), torch.randint(0, cfg.vocab, (4, cfg.steps)))
+    graph = ff.trace(module, inputs)
+    m = ff.Machine.preset("cpu", devices=1)
+    plain = Strategy.data_parallel(graph, m)
+    rc = plain
+    for op in graph.compute_ops:
+        rc = rc.replace(op.name, rc[op.name].with_recompute())
+    grads = []
+    for s in (plain, rc):
+        par = ff.parallelize(module, example_inputs=inputs, strategy=s, machine=m)
+        par(*inputs).backward()
+        grads.append([p.grad.clone() for p in par.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -156,12 +156,30 @@ class Recomputing:
         if not isinstance(x, _Recipe):
             return x
         src = x.source
+        if src.cache is None:
+            self._rc_fill(src)
         full = src.cache
-        if full is None:
-            with torch.no_grad():
-                full = src.cache = _remake(self, src.op, src.block, src.ins, src.params, src.rng, src.autocast,
-                                           src.quals)
         return full.as_strided(x.size, x.stride, full.storage_offset() + x.offset)
+
+    def _rc_fill(self, src) -> None:
+        """Make ``src``'s output again, and first those of the recipes among its inputs
+        (a block's chain, earliest first: a loop, not a recursion as deep as the chain --
+        an RNN layer's steps are one block)."""
+        order, stack, seen = [], [(src, False)], {id(src)}
+        while stack:
+            s, expanded = stack.pop()
+            if expanded:
+                order.append(s)
+                continue
+            stack.append((s, True))
+            for x in s.ins:
+                if isinstance(x, _Recipe) and x.source.cache is None and id(x.source) not in seen:
+                    seen.add(id(x.source))
+                    stack.append((x.source, False))
+        with torch.no_grad():
+            for s in order:
+                if s.cache is None:
+                    s.cache = _remake(self, s.op, s.block, s.ins, s.params, s.rng, s.autocast, s.quals)
 
     def _rc_begin_forward(self) -> None:
         """Drop the entries of outputs already freed (their addresses may be reused)."""
