@@ -213,9 +213,14 @@ def _strategy_arg(name, graph, machine, precision="32-true"):
     from .strategy.config import StrategyError
     from .strategy.strategy import Strategy
     builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
-                "expert": Strategy.expert}
+                "expert": Strategy.expert, "zero1": lambda g, m: Strategy.zero(g, m, 1),
+                "zero2": lambda g, m: Strategy.zero(g, m, 2), "fsdp": Strategy.fsdp,
+                "megatron": Strategy.megatron, "fsdp_tp": lambda g, m: Strategy.megatron(g, m, shard=3)}
     if name in builtins:
-        return builtins[name](graph, machine)
+        try:
+            return builtins[name](graph, machine)
+        except StrategyError as e:
+            raise CLIError(f"--strategy {name}: {e}") from None
     if name == "optcnn":
         from .search import optcnn
         if precision == "32-true":
@@ -224,8 +229,8 @@ def _strategy_arg(name, graph, machine, precision="32-true"):
         from .cost.precision import priced_cost_model
         return optcnn(graph, machine, priced_cost_model(CostModel(machine), precision, graph))
     if not os.path.isfile(name):
-        raise CLIError(f"--strategy {name!r}: not a built-in (data_parallel, model_parallel, "
-                       "expert, optcnn) and no such file")
+        raise CLIError(f"--strategy {name!r}: not a built-in (data_parallel, model_parallel, expert, "
+                       "optcnn, zero1, zero2, fsdp, megatron, fsdp_tp) and no such file")
     try:
         with open(name) as f:
             return Strategy.from_json(f.read(), graph, machine)
@@ -282,11 +287,15 @@ def cmd_simulate(args) -> int:
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
     graph = _trace(module, inputs)
     strategy = _strategy_arg(args.strategy, graph, machine, precision)
+    if args.recompute == "blocks":
+        strategy = strategy.recompute_blocks()
     sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer, precision=precision)
     res = sim.simulate(strategy, incremental=False)
     if args.trace:
         res.to_chrome_trace(args.trace)
     name = args.strategy if not os.path.isfile(args.strategy) else os.path.basename(args.strategy)
+    if args.recompute == "blocks":
+        name += " (blocks recomputed)"
     if args.json:
         print(json.dumps(_sim_json(label, machine, name, res, graph.batch_size, precision)))
     else:
@@ -420,7 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "dtypes), bf16-mixed, 16-mixed or bf16-true")
         s.set_defaults(fn=fn)
         if name == "simulate":
-            s.add_argument("--strategy", default="data_parallel")
+            s.add_argument("--strategy", default="data_parallel",
+                           help="data_parallel, model_parallel, expert, optcnn, zero1, zero2, fsdp, megatron, "
+                                "fsdp_tp, or a strategy .json file")
+            s.add_argument("--recompute", choices=("none", "blocks"), default="none",
+                           help="blocks: every op of the repeated blocks recomputed (block checkpointing)")
             s.add_argument("--trace", help="write a Chrome/Perfetto timeline here")
         else:
             s.add_argument("--budget", type=float, default=30.0, help="seconds")

@@ -53,6 +53,9 @@ def test_user_model_file(tmp_path, capsys):
     (("simulate", "lenet", "--machine", "p100-cluster", "--devices", "99"), "devices=99"),
     (("search", "lenet", "--machine", "p100-cluster", "--devices", "4", "--exhaustive", "--max-states", "10"),
      "max_states=10"),
+    (("simulate", "lenet", "--machine", "p100-cluster", "--strategy", "zero9"), "not a built-in"),
+    (("simulate", "llama", "--size", "small", "--batch", "1", "--machine", "h100-cluster", "--devices", "16",
+      "--strategy", "megatron"), "--strategy megatron: megatron with tp=8 on 16 devices"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
@@ -104,3 +107,18 @@ def test_calibration_is_printed_in_words():
     res["fit_error"] = "RuntimeError: boom"
     text = _calibration_text(res)
     assert "idle ping-pong: 40 us + 2.50 GB/s" in text and "fit failed" in text and "boom" in text
+
+
+def test_simulate_takes_the_sharded_baselines_and_block_recomputation(capsys):
+    base = ("simulate", "llama", "--size", "small", "--seq", "256", "--batch", "64", "--machine", "h100-cluster",
+            "--devices", "8", "--precision", "bf16-mixed", "--optimizer", "adam", "--json")
+    peaks = {}
+    for strategy in ("data_parallel", "zero1", "zero2", "fsdp", "megatron", "fsdp_tp"):
+        code, out, _ = run(capsys, *base, "--strategy", strategy)
+        assert code == 0, strategy
+        peaks[strategy] = max(json.loads(out)["peak_memory_bytes"])
+    assert peaks["fsdp"] < peaks["zero2"] < peaks["zero1"] < peaks["data_parallel"]
+    code, out, _ = run(capsys, *base, "--strategy", "fsdp", "--recompute", "blocks")
+    d = json.loads(out)
+    assert code == 0 and d["strategy"] == "fsdp (blocks recomputed)"
+    assert max(d["peak_memory_bytes"]) < 0.9 * peaks["fsdp"]

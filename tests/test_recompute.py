@@ -407,3 +407,16 @@ def test_a_long_chain_is_made_again_in_a_loop_not_a_recursion():
         grads.append([p.grad.clone() for p in par.parameters()])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_strategy_recompute_blocks_is_every_op_of_the_blocks():
+    from flexflow.graph.ir import repeated_block
+    module, inputs = ff.models.get("gpt2", size="small")  # tied embedding: outside the blocks
+    graph = ff.trace(module, inputs)
+    m = ff.Machine.preset("cpu", devices=2)
+    fsdp = Strategy.fsdp(graph, m)
+    rc = fsdp.recompute_blocks()
+    assert rc == _blocks_recomputed(graph, fsdp) and rc.name == "fsdp_rc" and rc != fsdp
+    for op in graph.compute_ops:
+        assert rc[op.name].recompute == bool(repeated_block(op.module_path))
+        assert rc[op.name].with_recompute(False) == fsdp[op.name]

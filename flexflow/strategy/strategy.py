@@ -10,7 +10,7 @@ import random as _random
 from collections.abc import Mapping
 from typing import Iterator
 
-from ..graph.ir import Op, OpGraph
+from ..graph.ir import Op, OpGraph, repeated_block
 from .candidates import candidate_configs
 from .config import REPLICA, SHARD_LEVELS, ParallelConfig, StrategyError
 from .megatron import megatron_configs
@@ -80,6 +80,18 @@ class Strategy(Mapping):
         for m in self.graph.groups[op.group]:
             configs[m] = config
         return self._derive(configs)
+
+    def recompute_blocks(self) -> "Strategy":
+        """This strategy with every op of the graph's repeated blocks recomputed
+        (:func:`flexflow.graph.ir.repeated_block`; a share group only where all of its ops
+        are in blocks): block checkpointing, each block keeping what enters it."""
+        configs = dict(self._configs)
+        for members in self.graph.groups.values():
+            if all(repeated_block(self.graph.op(m).module_path) for m in members):
+                for m in members:
+                    configs[m] = configs[m].with_recompute()
+        name = f"{self.name}_rc" if self.name else "recompute_blocks"
+        return self._derive(configs, name=name)
 
     def devices_used(self) -> set[int]:
         return {d for c in self._configs.values() for d in c.devices}
