@@ -123,13 +123,30 @@ def recompute_same(rank: int, seed: int) -> dict:
     return {"losses": (l0, l1), "err": max(float((s0[k] - s1[k]).abs().max()) for k in s0)}
 
 
+def measured_peak(module, inputs, strategy, machine, precision: str = "32-true") -> int:
+    """MemTracker's peak (CPU) over one AdamW step of ``module`` parallelized with
+    ``strategy`` (after one untracked step)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    par = ff.parallelize(module, example_inputs=inputs, strategy=strategy, machine=machine,
+                         reduce_outputs="eager", optimizer="adam", precision=precision)
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-4)
+
+    def step():
+        xs = [x.clone() for x in inputs]
+        opt.zero_grad()
+        par(*xs).backward()
+        opt.step()
+    step()
+    mt = MemTracker()
+    mt.track_external(par, opt)
+    with mt:
+        step()
+    return int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
 def peaks_by_stage(rank: int, name: str) -> dict:
     """Per stage (0 = data parallelism): this rank's MemTracker peak over one AdamW step
     (after one untracked step) and the simulator's prediction for its device."""
-    import gc
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     module, inputs = ff.models.get(name, size="small")
@@ -139,22 +156,5 @@ def peaks_by_stage(rank: int, name: str) -> dict:
     out = {}
     for stage in (0, 1, 2, 3):
         s = ff.Strategy.zero(graph, m, stage)
-        par = ff.parallelize(module, example_inputs=inputs, strategy=s, machine=m, reduce_outputs="eager",
-                             optimizer="adam")
-        opt = torch.optim.AdamW(par.parameters(), lr=1e-4)
-
-        def step():
-            xs = [x.clone() for x in inputs]
-            opt.zero_grad()
-            par(*xs).backward()
-            opt.step()
-        step()
-        mt = MemTracker()
-        mt.track_external(par, opt)
-        with mt:
-            step()
-        out[stage] = (int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]),
-                      int(sim.simulate(s).peak_memory[rank]))
-        del par, opt, step
-        gc.collect()
+        out[stage] = (measured_peak(module, inputs, s, m), int(sim.simulate(s).peak_memory[rank]))
     return out

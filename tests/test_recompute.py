@@ -290,31 +290,6 @@ def _blocks_recomputed(graph, strategy):
     return strategy
 
 
-def _measured_peak(module, inputs, strategy, machine, precision):
-    import gc
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-    par = ff.parallelize(module, example_inputs=inputs, strategy=strategy, machine=machine,
-                         reduce_outputs="eager", optimizer="adam", precision=precision)
-    opt = torch.optim.AdamW(par.parameters(), lr=1e-4)
-
-    def step():
-        xs = [x.clone() for x in inputs]
-        opt.zero_grad()
-        par(*xs).backward()
-        opt.step()
-    step()
-    mt = MemTracker()
-    mt.track_external(par, opt)
-    with mt:
-        step()
-    peak = int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
-    losses = [float(par(*inputs).detach())]
-    del par, opt, step
-    gc.collect()
-    return peak, losses
-
-
 def test_repeated_block_names():
     from flexflow.graph.ir import repeated_block
     assert repeated_block("layers.3.mlp.up") == "layers.3" and repeated_block("h.11") == "h.11"
@@ -324,6 +299,7 @@ def test_repeated_block_names():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,precision", [("llama", "32-true"), ("gpt2", "bf16-mixed")])
 def test_recomputing_whole_blocks_keeps_what_comes_into_them_as_measured(name, precision):
+    from _shard_workers import measured_peak
     """Every op of every block recomputed: each block keeps only its inputs (the recomputed
     ops of one block chain instead of holding each other's outputs), the executor's
     MemTracker peak falls well below the plain step's, and both are within 10% of the
@@ -337,7 +313,7 @@ def test_recomputing_whole_blocks_keeps_what_comes_into_them_as_measured(name, p
     sim = Simulator(graph, m, optimizer="adam", reduce_outputs="eager", precision=precision)
     out = {}
     for label, s in (("plain", plain), ("blocks", blocks)):
-        measured, _ = _measured_peak(module, inputs, s, m, precision)
+        measured = measured_peak(module, inputs, s, m, precision)
         predicted = sim.simulate(s).peak_memory[0]
         assert abs(predicted - measured) <= 0.1 * measured, (label, measured, predicted)
         out[label] = measured
