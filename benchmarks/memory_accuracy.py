@@ -249,9 +249,11 @@ def bf16_case(name: str, optimizer: str) -> dict:
 
 def with_recompute(strategy, graph, kinds):
     """``strategy`` with ``recompute`` on every op of these kinds (``BLOCKS``: on every op of
-    the repeated blocks)."""
+    the repeated blocks, ``Strategy.recompute_blocks``)."""
+    if kinds == BLOCKS:
+        return strategy.recompute_blocks()
     for op in graph.compute_ops:
-        if op.kind in kinds if kinds != BLOCKS else repeated_block(op.module_path):
+        if op.kind in kinds:
             strategy = strategy.replace(op.name, strategy[op.name].with_recompute())
     return strategy
 

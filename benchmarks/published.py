@@ -51,6 +51,7 @@ import torch
 
 import flexflow as ff
 from flexflow.cost.model import CostModel
+from flexflow.graph.ir import repeated_block
 from flexflow.models.gpt2 import GPT2, GPT2Config
 
 GiB = 2**30
@@ -109,7 +110,7 @@ def plan(graph, machine, name: str, recompute: str):
     s = ff.Strategy.fsdp(graph, machine) if name == "fsdp" else ff.Strategy.zero(graph, machine, 1)
     for members in graph.groups.values():
         op = graph.op(members[0])
-        in_block = any(ch.isdigit() for ch in op.module_path.split("."))
+        in_block = bool(repeated_block(op.module_path))
         keep = op.rule in ("linear", "linear_t", "attention") or op.kind == "input"
         if recompute == "full" and in_block or recompute == "selective" and in_block and not keep:
             s = s.replace(op.name, s[op.name].with_recompute())

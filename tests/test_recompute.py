@@ -282,7 +282,7 @@ def test_a_search_with_levers_is_reproducible_and_delta_free(transformer, p100):
 
 
 # ---- one checkpoint a block ------------------------------------------------------------------
-def _blocks_recomputed(graph, strategy):
+def _blocks_recomputed(graph, strategy):  # op by op: the reference for Strategy.recompute_blocks
     from flexflow.graph.ir import repeated_block
     for op in graph.compute_ops:
         if repeated_block(op.module_path):
@@ -309,7 +309,7 @@ def test_recomputing_whole_blocks_keeps_what_comes_into_them_as_measured(name, p
     graph = ff.trace(module, inputs)
     m = ff.Machine.preset("cpu", devices=1)
     plain = Strategy.data_parallel(graph, m)
-    blocks = _blocks_recomputed(graph, plain)
+    blocks = plain.recompute_blocks()
     sim = Simulator(graph, m, optimizer="adam", reduce_outputs="eager", precision=precision)
     out = {}
     for label, s in (("plain", plain), ("blocks", blocks)):
@@ -335,7 +335,7 @@ def test_a_block_checkpoint_keeps_one_residual_stream_a_layer():
     fsdp = Strategy.fsdp(graph, m)
     sim = Simulator(graph, m, optimizer="adam", precision="bf16-mixed")
     plain = max(sim.simulate(fsdp, incremental=False).peak_memory)
-    blocks = max(sim.simulate(_blocks_recomputed(graph, fsdp), incremental=False).peak_memory)
+    blocks = max(sim.simulate(fsdp.recompute_blocks(), incremental=False).peak_memory)
     sbh = b * s * h
     assert plain - blocks > 0.8 * layers * (34 - 4) * sbh, (plain, blocks)
 

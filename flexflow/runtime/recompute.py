@@ -80,6 +80,9 @@ class Recomputing:
 
     def _recompute_setup(self) -> None:
         self.recomputed = {op.name for op in self.graph.compute_ops if self.strategy[op.name].recompute}
+        # recomputed op -> its repeated block ("" outside one): readers of its block chain to it
+        self._rc_block = {op.name: repeated_block(op.module_path) for op in self.graph.compute_ops
+                          if op.name in self.recomputed}
         self._rc_live: dict[int, tuple] = {}  # storage address -> (weak ref to the output, source)
 
     def _rc_hooks(self):
@@ -98,11 +101,11 @@ class Recomputing:
         rng = torch.get_rng_state()
         n = len(ins)
         # inputs made by recomputed ops of this op's block: recipes, not kept
-        here = repeated_block(op.module_path)
+        here = self._rc_block[op.name]
         args, kept = [], []
         for t in ins:
             src = self._rc_source(t) if here else None
-            if src is not None and repeated_block(src.op.module_path) == here:
+            if src is not None and self._rc_block.get(src.op.name) == here:
                 lazy = _Lazy(t, self._rc_pack(t))
                 args.append(lazy)
                 kept.append(lazy.recipe)
