@@ -204,3 +204,23 @@ def test_measurements_correct_the_next_search_and_a_failing_finalist_is_dropped(
     planned = ff.Plan.from_json(r0["planned"])
     assert planned.measured and all(r["planned"] == r0["planned"] for r in res)
     assert math.isfinite(planned.measure_seconds)
+
+
+def test_the_step_finds_its_loss_without_reading_a_pending_one():
+    """A finalist's step must not read the loss before the backward: reading an output that
+    rides on the gradient all-reduce costs that bucket's all-reduce twice (a data-parallel
+    finalist of a wide MLP measured twice as slow as the same plan trained)."""
+    import torch
+
+    from flexflow.finalists.measure import _loss
+    from flexflow.runtime.pending import pending
+
+    reads = []
+    loss = pending(torch.tensor(2.0, requires_grad=True) * 1.0, lambda: reads.append(1))
+    assert _loss(loss) is loss and _loss({"loss": loss}) is loss
+    assert loss.numel() == 1 and loss.ndim == 0 and loss.nelement() == 1 and loss.shape == ()
+    assert reads == []
+    float(loss)  # a read waits, once
+    assert reads == [1]
+    vec = pending(torch.ones(3, requires_grad=True) * 1.0, lambda: reads.append(2))
+    assert float(_loss(vec)) == 3.0 and reads == [1, 2]  # not a scalar: summed, which reads it

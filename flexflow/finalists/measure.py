@@ -58,8 +58,9 @@ def _loss(out):
     """The scalar a training step differentiates: the output itself, its ``loss`` (a
     Hugging Face output), or the first tensor with a gradient in a structure (summed
     when it is not a scalar)."""
-    if isinstance(out, torch.Tensor):
-        return out if out.numel() == 1 else out.sum()
+    if isinstance(out, torch.Tensor):  # (its shape, not its values: reading a pending loss
+        # before the backward would all-reduce its gradient bucket twice, see runtime/sync.py)
+        return out if math.prod(out.shape) == 1 else out.sum()
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return _loss(loss)

@@ -21,7 +21,8 @@ __all__ = ["PendingTensor", "Once", "pending"]
 _NO_WAIT = {torch.Tensor.backward, torch.autograd.backward,
             torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
             torch.Tensor.is_leaf.__get__, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
-            torch.Tensor.device.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.register_hook,
+            torch.Tensor.device.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+            torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.register_hook,
             torch.Tensor.register_post_accumulate_grad_hook}
 
 
