@@ -124,6 +124,10 @@ def test_corrections_are_stored_per_machine_and_graph(mlp, recwarn):
     assert load_corrections(machine, fp).identity and "ignoring the corrections" in str(recwarn.pop().message)
     path.write_text(json.dumps({"format": "flexflow-corrections", "version": 99}))
     assert load_corrections(machine, fp).identity and "version" in str(recwarn.pop().message)
+    path.write_text(json.dumps({"format": "flexflow-corrections", "version": 1, "graphs": {fp: c.to_dict()}}))
+    assert load_corrections(machine, fp).identity and "afresh" in str(recwarn.pop().message)  # learnt biased
+    save_corrections(machine, fp, c)  # replaces it
+    assert load_corrections(machine, fp).factors() == c.factors()
 
 
 def _finalists_measured_by(graph, machine, truth: Corrections, used: Corrections) -> list:

@@ -42,7 +42,11 @@ __all__ = [
     "save_corrections",
 ]
 
-FORMAT, VERSION = "flexflow-corrections", 1
+FORMAT, VERSION = "flexflow-corrections", 2
+# version 1 was learnt by finalists that read the loss before the backward, which made every
+# plan whose loss rides a gradient bucket measure slow (data parallelism up to 2x): not reused
+_STALE = {1: "learnt from finalist timings that read the loss before the backward (data-parallel "
+             "plans measured up to 2x slow); starting afresh"}
 FACTOR_RANGE = (0.2, 5.0)  # every factor is kept in this range
 _HISTORY = 10  # fits kept per graph, newest last
 
@@ -162,6 +166,8 @@ def _read(path: Path) -> dict:
         d = json.loads(path.read_text())
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a flexflow corrections file (missing \"format\": \"{FORMAT}\")")
+        if d.get("version") in _STALE:
+            raise ValueError(f"format version {d['version']}: {_STALE[d['version']]}")
         if d.get("version") != VERSION:
             raise ValueError(f"format version {d.get('version')!r}, this flexflow reads {VERSION}")
         if not isinstance(d.get("graphs"), dict):
