@@ -156,6 +156,8 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
                           "first_measured": first.plan.chosen, "first_simulator": first.plan.simulator_choice,
                           "first_predicted_ms": first.plan.predicted.iteration_time * 1e3}
         out["finalists"] = [first.plan.finalists_line(), plan.finalists_line()]
+        out["finalist_ms"] = [{f.name: f.measured_s * 1e3 for f in p.finalists if f.measured_s}
+                              for p in (first.plan, plan)]
         out["corrections"] = plan.corrections
         if ride:
             out["predicted_s"]["flexflow_dp_eager"] = ff.Simulator(
@@ -192,6 +194,7 @@ def measure(name: str, batch: int, steps: int, rounds: int, budget: float, check
             "predicted_ms": {k: v * 1000 for k, v in res[0]["predicted_s"].items()},
             "plan_predicted_ms": {k: v * 1000 for k, v in res[0]["plan_predicted_s"].items()},
             "choices": res[0]["choices"], "finalists": res[0]["finalists"], "corrections": res[0]["corrections"],
+            "finalist_ms": res[0]["finalist_ms"],
             "search_s": res[0]["search_s"], "machine": res[0]["machine"],
             "searched_differs": res[0]["strategy_table"], "strategy_json": res[0]["strategy_json"],
             "check_losses": res[0]["check_losses"]}
@@ -275,6 +278,21 @@ def write_report(rows, command: str, seconds: float, out: Path) -> None:
     for r in rows:
         for line in r["finalists"]:
             lines.append(f"- {r['model']}: {line}")
+    lines += ["", ("The same plans as finalists and as trained above: each call's finalist time over the "
+                   "contender's step (data_parallel: `flexflow_dp`; the measured choice: `flexflow_searched`). "
+                   "The correction learns from the finalists, so a ratio far from 1 is an error it carries."), "",
+              "| model | plan | finalist, call 1 (ms) | finalist, call 2 (ms) | trained (ms) | ratios |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        calls = r.get("finalist_ms") or []
+        pairs = [("data_parallel", "flexflow_dp")]
+        if r["choices"]["measured"] != "data_parallel":
+            pairs.append((r["choices"]["measured"], "flexflow_searched"))
+        for name, k in pairs:
+            got = [c.get(name) for c in calls] + [None] * (2 - len(calls))
+            ratio = " / ".join("-" if g is None else f"{g / r['step_ms'][k]:.2f}" for g in got)
+            cells = " | ".join("-" if g is None else f"{g:.2f}" for g in got)
+            lines.append(f"| {r['model']} | {name} | {cells} | {r['step_ms'][k]:.2f} | {ratio} |")
     lines += ["", "Searched strategies (ops whose config differs from data parallelism; search seconds):", ""]
     for r in rows:
         diff = r["searched_differs"]
