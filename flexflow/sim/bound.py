@@ -30,6 +30,14 @@ class _Cfg:
         return self.base[o] if c is None else c
 
 
+def _count(diff: dict, row, k: int) -> None:
+    e = diff.get(id(row))
+    if e is None:
+        diff[id(row)] = [row, k]
+    else:
+        e[1] += k
+
+
 class LoadBound:
     """Per-resource busy picoseconds of a strategy, kept per op (its partitions and the
     transfers on its input edges) and per parameter cluster (syncs, update lower bound)."""
@@ -37,6 +45,11 @@ class LoadBound:
     def __init__(self, ctx, strategy):
         self.ctx = ctx
         ops = ctx.ops
+        # rows shared by every bound of this context: an op's row depends only on its kind,
+        # its config and its producers' (kinds, configs), so the unrolled steps of a recurrent
+        # layer (and the repeated blocks of a deep net) share their rows
+        self._rows = ctx.__dict__.setdefault("_load_rows", {})
+        self._clrows = ctx.__dict__.setdefault("_load_cluster_rows", {})
         self.cfg = [None] * len(ops)
         for o in ctx.compute:
             self.cfg[o] = strategy[ops[o].name]
@@ -55,22 +68,32 @@ class LoadBound:
         self._pending = None
 
     def _op_row(self, o: int, cfg):
+        """Op o's busy row (shared: never modified)."""
         ctx = self.ctx
         co = cfg[o]
+        ins, kind = ctx.inputs[o], ctx.kind
+        key = (kind[o], co, tuple([(j, kind[ins[j]], cfg[ins[j]]) for j in ctx.ext_inputs[o]]))
+        row = self._rows.get(key)
+        if row is not None:
+            return row
         row = ctx.template(o, co).busy
-        ins = ctx.inputs[o]
         for j in ctx.ext_inputs[o]:
             u = ins[j]
             e = ctx.edge_plan(u, o, j, cfg[u], co)
             if e.comm:
                 row = row + e.busy
+        self._rows[key] = row
         return row
 
     def _cl_row(self, c: int, cfg):
+        """(busy row, parameter-server picoseconds) of cluster c (the row shared: never modified)."""
         cp = self.ctx.cluster_plan(c, cfg)
-        row = cp.busy.copy()
-        row[:self.ctx.D] += cp.upd_lb
-        return row, int(cp.ps_ps)
+        hit = self._clrows.get(id(cp))
+        if hit is None or hit[0] is not cp:
+            row = cp.busy.copy()
+            row[:self.ctx.D] += cp.upd_lb
+            hit = self._clrows[id(cp)] = (cp, row, int(cp.ps_ps))
+        return hit[1], hit[2]
 
     def value(self) -> int:
         """The bound of the current strategy, in picoseconds."""
@@ -81,28 +104,43 @@ class LoadBound:
         share ``groups``; remembered for :meth:`commit`."""
         ctx = self.ctx
         ops = ctx.ops
+        get = getattr(strategy, "_configs", strategy).__getitem__  # (a Strategy's own dict)
         over = {}
         for g in groups:
             for o in ctx.groups[g]:
-                over[o] = strategy[ops[o].name]
+                over[o] = get(ops[o].name)
         cfg = _Cfg(self.cfg, over)
         touched = set(over)
         for o in over:
             touched.update(ctx.consumers[o])
-        total = self.total.copy()
+        # the change of the total, as (row, net count) per distinct row: ops that share a
+        # row (a recurrent layer's steps) cost one addition together
+        diff = {}
         rows = {}
+        oprow = self.oprow
         for o in touched:
             r = rows[o] = self._op_row(o, cfg)
-            total += r
-            total -= self.oprow[o]
+            old = oprow[o]
+            if r is not old:
+                _count(diff, r, 1)
+                _count(diff, old, -1)
         cls = {c for g in groups for c in ctx.group_clusters[g]}
         crow = {}
         ps = self.ps
         for c in cls:
             r, p = crow[c] = self._cl_row(c, cfg)
-            total += r
-            total -= self.clrow[c]
+            if r is not self.clrow[c]:
+                _count(diff, r, 1)
+                _count(diff, self.clrow[c], -1)
             ps += p - self.clps[c]
+        total = self.total.copy()
+        for r, k in diff.values():
+            if k == 1:
+                total += r
+            elif k == -1:
+                total -= r
+            elif k:
+                total += k * r
         self._pending = (strategy, over, rows, crow, total, ps)
         return int(total.max(initial=0)) + ps
 
