@@ -376,11 +376,7 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
     sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
-    pairs = []
-    for a, b in _adjacent_groups(graph, space):
-        common = [c for c in space.cands[a] if c in space.index[b]]
-        if common:
-            pairs.append((a, b, common))
+    pairs = None  # (producer group, consumer group, their common configs): made when first reached
     state = {"cur": run.best, "key": None, "screened": 0}
     bound = LoadBound(sim.ctx, run.best) if screen else None
 
@@ -443,6 +439,8 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
             if ok:
                 moved = True
                 break
+        if not moved and pairs is None:
+            pairs = _pairs(graph, space)
         for a, b, common in pairs if not moved else ():
             ra, rb = space.reps[a], space.reps[b]
             for cfg in common:
@@ -461,6 +459,17 @@ def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: in
                 break
         if not moved:
             return True, state["screened"]
+
+
+def _pairs(graph: OpGraph, space: _Space) -> list[tuple[int, int, list]]:
+    """The descent's pair moves: (producer group, consumer group, the configs both may take)
+    for the adjacent groups that share a candidate."""
+    out = []
+    for a, b in _adjacent_groups(graph, space):
+        common = [c for c in space.cands[a] if c in space.index[b]]
+        if common:
+            out.append((a, b, common))
+    return out
 
 
 def _adjacent_groups(graph: OpGraph, space: _Space) -> list[tuple[int, int]]:
