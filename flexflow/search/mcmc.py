@@ -8,7 +8,6 @@ import random
 import time
 import warnings
 
-from ..cost.model import CostModel
 from ..cost.precision import precision as _precision
 from ..cost.precision import priced_cost_model
 from ..graph.ir import OpGraph
@@ -28,6 +27,7 @@ from .common import (
     _penalised,
     _Run,
     _simulator,
+    _analytic_model,
     _Space,
 )
 
@@ -120,7 +120,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     if evaluations is None and not budget > 0:
         raise SearchError(f"budget must be a positive number of seconds, got {budget!r}")
     precision = _precision(precision).name  # a clear error for an unknown name
-    cm = cost_model if cost_model is not None else CostModel(machine)
+    cm = cost_model if cost_model is not None else _analytic_model(machine, graph)
     space = _Space(graph, machine, candidates)
     if isinstance(init, str):
         init = Strategy.from_json(init, graph, machine)
@@ -488,7 +488,7 @@ def is_local_optimum(graph: OpGraph, machine, strategy: Strategy, cost_model=Non
     """(True, None) when no single share-group change (to any candidate config)
     improves ``strategy``; else (False, (op_name, config, iteration_time_s)), the
     first improving change found.  Feasible beats infeasible; ties do not improve."""
-    cm = cost_model if cost_model is not None else CostModel(machine)
+    cm = cost_model if cost_model is not None else _analytic_model(machine, graph)
     space = _Space(graph, machine, candidates)
     sim = _simulator(graph, machine, cm, optimizer, precision=precision)
     res = sim.simulate(strategy, incremental=False)
