@@ -18,7 +18,7 @@ from ..graph.ops import RULES
 from ..graph.ops.base import out_region, region_numel
 from .config import REPLICA, ParallelConfig, StrategyError
 
-__all__ = ['Partition', 'validate_config', 'has_param_replicas', 'partitions', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap']
+__all__ = ['Partition', 'validate_config', 'has_param_replicas', 'partitions', 'partition_at', 'split_dims', 'block_ranges', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap']
 
 
 @dataclass(frozen=True)
@@ -95,21 +95,52 @@ def partitions(op: Op, config: ParallelConfig) -> list[Partition]:
                  for k, dev in enumerate(config.devices)]
         cache[config] = parts
         return parts
-    split = [d for d in op.dims if degs.get(d.name, 1) > 1]
-    ranges = []
-    for d in split:
-        k = degs[d.name]
-        ranges.append([(i * d.size // k, (i + 1) * d.size // k) for i in range(k)])
+    split = split_dims(op, config)
+    ranges = [block_ranges(d.size, degs[d.name]) for d in split]
     partial = any(d.axis is None for d in split)
     names = [d.name for d in split]
-    parts = []
-    for idx, combo in enumerate(itertools.product(*ranges)):
-        block = dict(zip(names, combo))
-        ins, ps = rule.regions(op, block)
-        parts.append(Partition(idx, config.devices[idx], block, out_region(op, block),
-                               tuple(ins), ps, partial))
+    parts = [_partition(op, rule, config, idx, dict(zip(names, combo)), partial)
+             for idx, combo in enumerate(itertools.product(*ranges))]
     cache[config] = parts
     return parts
+
+
+def split_dims(op: Op, config: ParallelConfig) -> list:
+    """The dims ``config`` splits (degree above 1), in the op's order: partitions are
+    numbered row-major over these, the last varying fastest."""
+    degs = config.degrees
+    return [d for d in op.dims if degs.get(d.name, 1) > 1]
+
+
+def block_ranges(size: int, k: int) -> list[tuple[int, int]]:
+    """The [start, stop) of each of the ``k`` near-equal blocks of a dim of ``size``."""
+    return [(i * size // k, (i + 1) * size // k) for i in range(k)]
+
+
+def partition_at(op: Op, config: ParallelConfig, index: int, check: bool = True) -> Partition:
+    """Partition ``index`` of ``op`` under ``config``: ``partitions(op, config)[index]``
+    built alone (equal to it in every field), for callers that need a few partitions of
+    many configs (``check=False``: the caller has validated ``config``)."""
+    if REPLICA in config.degrees:
+        return partitions(op, config)[index]
+    if check:
+        validate_config(op, config)
+    degs = config.degrees
+    split = split_dims(op, config)
+    coords, rest = [], index
+    for d in reversed(split):
+        rest, i = divmod(rest, degs[d.name])
+        coords.append(i)
+    block = {}
+    for d, i in zip(split, reversed(coords)):
+        k = degs[d.name]
+        block[d.name] = (i * d.size // k, (i + 1) * d.size // k)
+    return _partition(op, RULES[op.rule], config, index, block, any(d.axis is None for d in split))
+
+
+def _partition(op: Op, rule, config: ParallelConfig, index: int, block: dict, partial: bool) -> Partition:
+    ins, ps = rule.regions(op, block)
+    return Partition(index, config.devices[index], block, out_region(op, block), tuple(ins), ps, partial)
 
 
 def pick_replica(candidates, parts, device, index: int) -> int:
