@@ -6,6 +6,8 @@
 - :mod:`.regions`: :func:`partitions` (output, input and parameter regions of every
   partition), :func:`param_placement` (which devices hold which parameter block),
   :func:`overlap`, :func:`pick_replica`;
+- :mod:`.boxes`: the same regions as integer arrays, assembled one dim at a time for
+  rules that declare themselves separable (many configs of one op at little cost);
 - :mod:`.candidates`: :func:`candidate_configs`, :func:`strategy_space_log10`;
 - :mod:`.strategy`: :class:`Strategy` and the built-ins;
 - :mod:`.megatron`: ``Strategy.megatron``'s plan read off the graph (:func:`linear_pairs`);

@@ -37,6 +37,8 @@ def attention_attrs(args, kwargs, shapes) -> dict | None:
 
 @register("attention")
 class Attention(Rule):
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         B, H, Lq, _ = op.output_shape
         a = op.attrs

@@ -177,6 +177,12 @@ class Rule:
     """Base rule: an op that can only run whole on one device."""
 
     name = "base"
+    # Whether ``regions`` is separable: in the regions it returns, every axis, and whether
+    # an input is needed at all (None), depends on the range of at most one parallel dim
+    # of the block.  Fast paths (``flexflow.strategy.boxes``) then assemble a config's
+    # regions from one dim split at a time; declare it only where the code guarantees it
+    # (a subclass that overrides ``regions`` must check it anew).
+    separable = False
 
     def dims(self, op: Op, batch: int | None) -> list[Dim]:
         return []

@@ -83,6 +83,8 @@ def _pad(x, pads, value=0.0):
 class Conv(Rule):
     """Conv1d / Conv2d: n sample, c (output channels) parameter, h/w or l attribute."""
 
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         kind = "parameter" if op.attrs["groups"] == 1 else None
         return _spatial_dims(op, batch, kind)
@@ -130,6 +132,8 @@ class Conv(Rule):
 class Pool(Rule):
     """Max / average pooling (adaptive pooling with whole windows is
     rewritten to a plain pool at trace time).  Channels are an attribute dim."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         return _spatial_dims(op, batch, "attribute")

@@ -37,6 +37,8 @@ def _lead_dims(shape, batch) -> list[Dim]:
 class Linear(Rule):
     """y = x W^T + b over the last axis; out_features is the parameter dim c."""
 
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         dims = _lead_dims(op.output_shape[:-1], batch)
         c = op.output_shape[-1]
@@ -87,6 +89,8 @@ def _bias(op: Op, block: Block, params):
 class Matmul(Rule):
     """(..., M, K) @ (..., K, N): batch axes, rows i and columns j split."""
 
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         shape = op.output_shape
         dims = _lead_dims(shape[:-2], batch)
@@ -119,6 +123,8 @@ class Matmul(Rule):
 @register("embedding")
 class Embedding(Rule):
     """Row lookup: ids (N, ...) -> (N, ..., E); E is the parameter dim e."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         dims = _lead_dims(op.output_shape[:-1], batch)
@@ -159,6 +165,8 @@ class LSTMCell(Rule):
     The hidden units h are the parameter dim: a partition reads the whole
     input x and previous h rows, its slice of c, and its slice of each of
     the four gates' weights (weights viewed as (4, H, ·))."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         _, n, h = op.output_shape
@@ -228,6 +236,8 @@ class LSTMCell(Rule):
 class LinearT(Linear):
     """y = x W + b with W stored (in, out) (GPT-2's Conv1D): as linear, the
     parameter dim c slices W's columns."""
+
+    separable = True  # see Rule.separable
 
     def regions(self, op: Op, block: Block):
         out = out_region(op, block)

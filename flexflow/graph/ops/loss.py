@@ -26,6 +26,8 @@ from .base import (
 
 @register("loss")
 class Loss(Rule):
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         if not op.attrs.get("splittable", True):
             return []
@@ -111,6 +113,8 @@ class PointwiseLoss(Rule):
     for 'mean' (its batch for 'batchmean'); with 'none' the output is split like the
     input."""
 
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         reduced = op.attrs["reduction"] != "none"
         dims = []
@@ -174,6 +178,8 @@ def _sized_by_batch(op: Op, batch: int) -> bool:
 class Opaque(Rule):
     """An op the library does not know: split along the sample dim (when its
     output and inputs carry the batch on axis 0) or run whole."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         shape = op.output_shape

@@ -17,6 +17,8 @@ from .conv import _spatial_dims
 
 @register("batchnorm")
 class BatchNorm(Rule):
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         if len(op.output_shape) == 2:  # BatchNorm1d on (N, C)
             op.attrs["spatial_split"] = False

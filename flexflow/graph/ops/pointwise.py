@@ -41,6 +41,8 @@ def broadcast_region(out, out_shape, in_shape):
 class Pointwise(Rule):
     """Every output axis splits; each input reads the same region, broadcast."""
 
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         return sample_dims(op.output_shape, batch)
 
@@ -68,6 +70,8 @@ class Pointwise(Rule):
 class Rowwise(Rule):
     """Softmax, log-softmax, layer norm: the axes in ``attrs['whole_axes']``
     stay whole; others split as for element-wise ops.  Parameters whole."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         whole = set(op.attrs.get("whole_axes", ()))
@@ -104,6 +108,8 @@ class Reduce(Rule):
     dim: those partitions hold partial sums (a mean's divided by the whole
     count), which add up to the result -- ``((y - t) ** 2).mean()`` is then
     computed where its samples are."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         amap = op.attrs["axis_map"]

@@ -42,6 +42,8 @@ class _Mapped(Rule):
     with an offset (attrs['offsets']); unmapped input axes are read whole,
     or at a fixed position for selected axes (attrs['fixed'])."""
 
+    separable = True  # see Rule.separable
+
     def dims(self, op: Op, batch):
         amap = op.attrs["axis_map"]
         return [d for d in sample_dims(op.output_shape, batch) if amap[d.axis] is not None]
@@ -137,6 +139,8 @@ def _within(r: slice, i):
 class Concat(Rule):
     """torch.cat / torch.stack: every output axis splits, the concat axis
     too; a partition reads only the inputs its block overlaps."""
+
+    separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
         return sample_dims(op.output_shape, batch)
