@@ -8,6 +8,7 @@ import numpy as np
 
 from ..cost.model import CostModel
 from ..graph.ir import Op, OpGraph, dtype_bytes
+from ..strategy.boxes import OpBoxes, region_array
 from ..strategy.config import ParallelConfig
 from ..strategy.regions import partitions
 from ..strategy.strategy import Strategy
@@ -48,7 +49,9 @@ class _OptCNN:
     link or NIC); the edge costs the slowest receiver, twice (activations
     forward, their gradients backward).  This is O(partitions) per config
     pair, which keeps 64 devices tractable.  The cost of a strategy is the sum
-    of node and edge costs.
+    of node and edge costs.  (The tables are built from region arrays assembled
+    one dim at a time where the op's rule is separable, :mod:`flexflow.strategy.
+    boxes`; ``fast = False`` enumerates every partition instead: the same tables.)
 
     Solving: OptCNN's node elimination (an op with one in- and one out-edge
     becomes an edge), edge elimination (parallel edges add), and leaf
@@ -63,9 +66,15 @@ class _OptCNN:
     """
 
     cap = 1 << 21
+    fast = True  # regions assembled per dim (strategy.boxes) where the rule allows; same tables
 
     def __init__(self, graph, machine, cost_model=None, candidates=None):
         self.graph, self.machine = graph, machine
+        spec = machine.devices[0].spec
+        # a partition's time depends on its device only through the device's spec
+        self._fast = self.fast and all(d.spec == spec for d in machine.devices)
+        self._sigs: dict = {}
+        self._opboxes: dict = {}
         self.cm = cost_model if cost_model is not None else CostModel(machine)
         self.space = space = _Space(graph, machine, candidates)
         D = machine.num_devices
@@ -116,10 +125,23 @@ class _OptCNN:
                 else:
                     self.pair[b, a] = self.pair.get((b, a), 0) + t.T
 
-    @staticmethod
-    def _sig(op: Op) -> tuple:
-        return (op.kind, op.rule, str(op.dtype), tuple(op.output_shape), tuple(map(tuple, op.input_shapes)),
-                tuple(op.dims), tuple(sorted(op.param_shapes.items())), repr(sorted(op.attrs.items(), key=str)))
+    def _sig(self, op: Op) -> tuple:
+        hit = self._sigs.get(op.name)
+        if hit is None or hit[0] is not op:
+            sig = (op.kind, op.rule, str(op.dtype), tuple(op.output_shape), tuple(map(tuple, op.input_shapes)),
+                   tuple(op.dims), tuple(sorted(op.param_shapes.items())), repr(sorted(op.attrs.items(), key=str)))
+            hit = self._sigs[op.name] = (op, sig)
+        return hit[1]
+
+    def _ob(self, op: Op) -> OpBoxes | None:
+        """The region arrays of ops with ``op``'s signature (None: enumerate partitions)."""
+        if not self._fast:
+            return None
+        sig = self._sig(op)
+        hit = self._opboxes.get(sig)
+        if hit is None:
+            hit = self._opboxes[sig] = OpBoxes(op)
+        return hit
 
     def _parts(self, op: Op, cfg: ParallelConfig):
         """partitions(), shared by ops with one signature (same shapes, kind, attrs)."""
@@ -132,9 +154,12 @@ class _OptCNN:
     def _node(self, op: Op, dom) -> np.ndarray:
         key = ("node", self._sig(op), tuple(dom))
         if key not in self._cache:
+            ob = self._ob(op)
             out = []
             for c in dom:
-                out.append(max(sum(self.cm.op_time(op, p, p.device)) for p in self._parts(op, c)))
+                # the first partition of each region shape: those of the cost model's keys
+                parts = (ob.firsts(c) if ob is not None else None) or self._parts(op, c)
+                out.append(max(sum(self.cm.op_time(op, p, p.device)) for p in parts))
             self._cache[key] = np.array(out)
         return self._cache[key]
 
@@ -143,28 +168,50 @@ class _OptCNN:
             return np.zeros(len(dom))
         key = ("sync", self._sig(op), tuple(dom))
         if key not in self._cache:
-            self._cache[key] = np.array([_sync_time_s(self.machine, op, c, self._parts(op, c)) for c in dom])
+            ob = self._ob(op)
+            self._cache[key] = np.array([self._sync_boxes(op, c, ob) if ob is not None and ob.plan(c) is not None
+                                         else _sync_time_s(self.machine, op, c, self._parts(op, c)) for c in dom])
         return self._cache[key]
 
+    def _sync_boxes(self, op: Op, config, ob: OpBoxes) -> float:
+        """``_sync_time_s`` from the parameters' region arrays."""
+        total = 0.0
+        size = dtype_bytes(op.dtype)
+        for local in op.params:
+            rows = ob.boxes(config, ob.param_index[local])
+            holders: dict = {}
+            for row, dev in zip(rows.reshape(len(rows), -1).tolist(), config.devices):
+                holders.setdefault(tuple(row), []).append(dev)
+            t = 0.0
+            for row, devs in holders.items():
+                if len(devs) > 1:
+                    half = len(row) // 2
+                    nbytes = math.prod(b - a for a, b in zip(row[:half], row[half:])) * size
+                    t = max(t, self._allreduce(devs, nbytes))
+            total += t
+        return total
+
+    def _allreduce(self, devs, nbytes) -> float:
+        key = ("ar", tuple(devs), nbytes)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self.machine.allreduce_time_s(devs, nbytes)
+        return hit
+
     def _part_boxes(self, op: Op, cfg, idx, rank) -> np.ndarray:
-        """``_boxes`` of the partitions' input ``idx`` regions (None: their outputs), shared
-        by ops of one signature."""
+        """``region_array`` of the partitions' input ``idx`` regions (None: their outputs),
+        shared by ops of one signature."""
         key = ("boxes", self._sig(op), cfg, idx)
         hit = self._cache.get(key)
         if hit is None:
-            parts = self._parts(op, cfg)
-            hit = self._cache[key] = self._boxes([p.output if idx is None else p.inputs[idx] for p in parts], rank)
+            ob = self._ob(op)
+            if ob is not None:
+                hit = ob.boxes(cfg, 0 if idx is None else 1 + idx, rank)
+            if hit is None:
+                parts = self._parts(op, cfg)
+                hit = region_array([p.output if idx is None else p.inputs[idx] for p in parts], rank)
+            self._cache[key] = hit
         return hit
-
-    @staticmethod
-    def _boxes(regions, rank) -> np.ndarray:
-        """(P, 2, rank) int array of [start, stop) per axis; None -> empty box."""
-        a = np.zeros((len(regions), 2, rank), dtype=np.int64)
-        for k, r in enumerate(regions):
-            if r is not None:
-                a[k, 0] = [s.start for s in r]
-                a[k, 1] = [s.stop for s in r]
-        return a
 
     def _slowest_in(self, devices) -> tuple[np.ndarray, np.ndarray]:
         """Per device d, the latency and inverse bandwidth of the slowest route into d from
@@ -182,6 +229,12 @@ class _OptCNN:
         key = ("edge", self._sig(u), self._sig(v), idx, tuple(dom_u), tuple(dom_v))
         if key in self._cache:
             return self._cache[key]
+        out = (self._edge_blocks if self._fast else self._edge_loop)(u, v, idx, dom_u, dom_v)
+        self._cache[key] = out
+        return out
+
+    def _edge_loop(self, u: Op, v: Op, idx: int, dom_u, dom_v) -> np.ndarray:
+        """The edge table, one producer config at a time."""
         rank = len(u.output_shape)
         esize = dtype_bytes(u.dtype)
         D = self.machine.num_devices
@@ -210,7 +263,73 @@ class _OptCNN:
                 recv = (need * partial - local) * esize  # bytes from other devices
                 t = np.where(recv > 0, lat_in[cdev] + recv * inv_in[cdev], 0.0)
                 out[i, js] = 2.0 * t.max(1)
-        self._cache[key] = out
+        return out
+
+    def _edge_blocks(self, u: Op, v: Op, idx: int, dom_u, dom_v) -> np.ndarray:
+        """``_edge_loop``'s table, equal entry for entry, a block of configs at a time:
+        producer configs on one device list against consumer configs on one device list
+        (a consumer partition's producer partition is then the same for all of them).
+        Along each axis, the overlap of a producer and a consumer partition is computed
+        once per distinct pair of interval columns and gathered; with the same route
+        costs into every consumer device, the slowest receiver is the one receiving the
+        most (the time is monotone in the bytes)."""
+        rank = len(u.output_shape)
+        esize = dtype_bytes(u.dtype)
+        D = self.machine.num_devices
+        out = np.zeros((len(dom_u), len(dom_v)))
+        reduction = {d.name for d in u.dims if d.axis is None}
+        cons = []
+        for vdevs, js in _by_devices(dom_v).items():
+            cb = np.stack([self._part_boxes(v, dom_v[j], idx, rank) for j in js])  # (J, P', 2, A)
+            need = np.clip(cb[:, :, 1] - cb[:, :, 0], 0, None).prod(-1)  # (J, P')
+            cons.append((js, np.array(vdevs), cb, need, [_distinct(cb[:, :, :, a]) for a in range(rank)]))
+        for udevs, is_ in _by_devices(dom_u).items():
+            pb = np.stack([self._part_boxes(u, dom_u[i], None, rank) for i in is_])  # (I, P, 2, A)
+            partial = np.array([math.prod(dom_u[i].degree(d) for d in reduction) for i in is_])
+            on = np.full(D, -1)
+            on[list(udevs)] = np.arange(len(udevs))  # device -> producer partition
+            lat_in, inv_in = self._slowest_in(udevs)
+            for js, cdev, cb, need, cdist in cons:
+                q = on[cdev]  # (P',) producer partition on the consumer's device, or -1
+                own = pb[:, np.maximum(q, 0)]  # (I, P', 2, A)
+                lat, inv = lat_in[cdev], inv_in[cdev]
+                same = bool((lat == lat[0]).all() and (inv == inv[0]).all())
+                missing = bool((q < 0).any())
+                step = max(1, (1 << 16) // (len(js) * len(q)))
+                for lo in range(0, len(is_), step):
+                    sl = slice(lo, lo + step)
+                    n = len(own[sl])
+                    # local[i, j, p]: elements consumer partition p finds on its own device
+                    local, uside, cside = None, np.ones((n, 1, len(q)), dtype=np.int64), 1
+                    for a in range(rank):
+                        ut, ui = _distinct(own[sl, :, :, a])
+                        ct, ci = cdist[a]
+                        ov = np.clip(np.minimum(ut[:, None, :, 1], ct[None, :, :, 1])
+                                     - np.maximum(ut[:, None, :, 0], ct[None, :, :, 0]), 0, None)
+                        if len(ut) == 1:  # producers alike along this axis: a factor of (J, P')
+                            cside = cside * ov[0, ci][None]
+                            continue
+                        if len(ct) == 1:  # consumers alike: a factor of (I, P')
+                            uside = uside * ov[ui, 0][:, None]
+                            continue
+                        g = ov.reshape(-1, len(q))[ui[:, None] * len(ct) + ci[None, :]]  # (I, J, P')
+                        local = g if local is None else np.multiply(local, g, out=local)
+                    if local is None:
+                        local = uside * cside
+                    else:
+                        local *= uside
+                        local *= cside
+                    if missing:
+                        local = np.where(q >= 0, local, 0)
+                    # elements from other devices, less esize
+                    x = need[None] * partial[sl, None, None] - local if (partial[sl] != 1).any() else need[None] - local
+                    if same:  # the slowest receiver is the one receiving the most
+                        m = x.max(-1) * esize
+                        t = np.where(m > 0, lat[0] + m * inv[0], 0.0)
+                    else:
+                        recv = x * esize
+                        t = np.where(recv > 0, lat + recv * inv, 0.0).max(-1)
+                    out[np.ix_(is_[sl], js)] = 2.0 * t
         return out
 
     # -- objective and solver
@@ -228,6 +347,7 @@ class _OptCNN:
         n = len(self.domains)
         factors: dict[int, tuple[tuple, np.ndarray]] = {}
         touching: list[set] = [set() for _ in range(n)]
+        nbs: dict[int, list] = {}  # neighbours(v), dropped when touching[v] changes
 
         def add(scope, arr):
             fid = len(add.ids)
@@ -235,6 +355,7 @@ class _OptCNN:
             factors[fid] = (scope, arr)
             for x in scope:
                 touching[x].add(fid)
+                nbs.pop(x, None)
         add.ids = []
         for i, u in enumerate(self.unary):
             add((i,), u)
@@ -244,7 +365,10 @@ class _OptCNN:
         records = []  # (var, scope of its argmin table, table) in elimination order
 
         def neighbours(v):
-            return sorted({x for f in touching[v] for x in factors[f][0]} - {v})
+            hit = nbs.get(v)
+            if hit is None:
+                hit = nbs[v] = sorted({x for f in touching[v] for x in factors[f][0]} - {v})
+            return hit
 
         while alive:
             best = None
@@ -267,7 +391,8 @@ class _OptCNN:
                     fs, arr = factors.pop(fid)
                     for x in fs:
                         touching[x].discard(fid)
-                    total = total + arr.reshape([arr.shape[fs.index(x)] if x in fs else 1 for x in scope])
+                        nbs.pop(x, None)
+                    total += arr.reshape([arr.shape[fs.index(x)] if x in fs else 1 for x in scope])
                 ax = scope.index(v)
                 records.append((v, tuple(nb), total.argmin(axis=ax)))
                 add(tuple(nb), total.min(axis=ax))
@@ -284,6 +409,7 @@ class _OptCNN:
                     fs, arr = factors.pop(fid)
                     for x in fs:
                         touching[x].discard(fid)
+                        nbs.pop(x, None)
                     add(tuple(x for x in fs if x != v), np.take(arr, val, axis=fs.index(v)))
                 records.append((v, (), np.array(val)))
             alive.discard(v)
@@ -292,6 +418,29 @@ class _OptCNN:
             choice[v] = int(table[tuple(choice[x] for x in nb)])
         configs = {rep: self.domains[i][choice[i]] for i, rep in enumerate(self.space.reps)}
         return Strategy(self.graph, configs, self.machine, name="optcnn")
+
+
+def _by_devices(dom) -> dict:
+    """Indices of the configs of ``dom`` by their device list."""
+    out: dict = {}
+    for k, c in enumerate(dom):
+        out.setdefault(c.devices, []).append(k)
+    return out
+
+
+def _distinct(x: np.ndarray):
+    """The distinct rows of ``x`` (N, ...) in order of first appearance, and each row's
+    index among them."""
+    flat = np.ascontiguousarray(x).reshape(len(x), -1)
+    seen: dict = {}
+    firsts, inv = [], []
+    for k, row in enumerate(flat):
+        key = row.tobytes()
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(k)
+        inv.append(seen[key])
+    return x[firsts], np.array(inv, dtype=np.int64)
 
 
 def _sync_time_s(machine, op: Op, config: ParallelConfig, parts=None) -> float:
