@@ -295,34 +295,38 @@ class _OptCNN:
                 lat, inv = lat_in[cdev], inv_in[cdev]
                 same = bool((lat == lat[0]).all() and (inv == inv[0]).all())
                 missing = bool((q < 0).any())
+                # local[i, j, p]: elements consumer partition p finds on its own device, the
+                # product over axes of the overlaps; an axis along which all producers (or
+                # all consumers) are alike gives a factor of (J, P') (or (I, P'))
+                full, uside, cside = [], np.ones((len(is_), 1, len(q)), dtype=np.int64), 1
+                for a in range(rank):
+                    ut, ui = _distinct(own[:, :, :, a])
+                    ct, ci = cdist[a]
+                    ov = np.clip(np.minimum(ut[:, None, :, 1], ct[None, :, :, 1])
+                                 - np.maximum(ut[:, None, :, 0], ct[None, :, :, 0]), 0, None)
+                    if len(ut) == 1:
+                        cside = cside * ov[0, ci][None]
+                    elif len(ct) == 1:
+                        uside = uside * ov[ui, 0][:, None]
+                    else:
+                        full.append((ov.reshape(-1, len(q)), ui * len(ct), ci))
+                many = bool((partial != 1).any())
                 step = max(1, (1 << 16) // (len(js) * len(q)))
                 for lo in range(0, len(is_), step):
                     sl = slice(lo, lo + step)
-                    n = len(own[sl])
-                    # local[i, j, p]: elements consumer partition p finds on its own device
-                    local, uside, cside = None, np.ones((n, 1, len(q)), dtype=np.int64), 1
-                    for a in range(rank):
-                        ut, ui = _distinct(own[sl, :, :, a])
-                        ct, ci = cdist[a]
-                        ov = np.clip(np.minimum(ut[:, None, :, 1], ct[None, :, :, 1])
-                                     - np.maximum(ut[:, None, :, 0], ct[None, :, :, 0]), 0, None)
-                        if len(ut) == 1:  # producers alike along this axis: a factor of (J, P')
-                            cside = cside * ov[0, ci][None]
-                            continue
-                        if len(ct) == 1:  # consumers alike: a factor of (I, P')
-                            uside = uside * ov[ui, 0][:, None]
-                            continue
-                        g = ov.reshape(-1, len(q))[ui[:, None] * len(ct) + ci[None, :]]  # (I, J, P')
+                    local = None
+                    for table, ui, ci in full:
+                        g = table[ui[sl, None] + ci[None, :]]  # (I, J, P')
                         local = g if local is None else np.multiply(local, g, out=local)
                     if local is None:
-                        local = uside * cside
+                        local = uside[sl] * cside
                     else:
-                        local *= uside
+                        local *= uside[sl]
                         local *= cside
                     if missing:
                         local = np.where(q >= 0, local, 0)
                     # elements from other devices, less esize
-                    x = need[None] * partial[sl, None, None] - local if (partial[sl] != 1).any() else need[None] - local
+                    x = need[None] * partial[sl, None, None] - local if many else need[None] - local
                     if same:  # the slowest receiver is the one receiving the most
                         m = x.max(-1) * esize
                         t = np.where(m > 0, lat[0] + m * inv[0], 0.0)
