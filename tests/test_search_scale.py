@@ -91,3 +91,27 @@ def test_megatron_baselines_join_where_memory_binds(decoder, p100):
     assert r.result.feasible
     best = min(b.iteration_time for b in r.baselines.values() if b.feasible)
     assert r.result.iteration_time <= best * (1 + 1e-12)
+
+
+def test_the_analytic_cost_model_and_its_plans_are_reused_on_the_same_machine(decoder, p100, monkeypatch):
+    """A search given no cost model takes the previous search's analytic model on the same
+    machine object (its plan caches warm), only where it is configured the same; the search
+    is the same either way."""
+    from flexflow.cost import model as cost_model
+    from flexflow.search import common
+    monkeypatch.setattr(common, "_MODELS", {})
+    a = ff.search(decoder, p100, evaluations=30, seed=2, progress=False)
+    (machine, cm), = common._MODELS.values()
+    assert machine is p100 and cm.__dict__.get("_simulator_contexts")
+    b = ff.search(decoder, p100, evaluations=30, seed=2, progress=False)
+    assert common._MODELS[p100.fingerprint()][1] is cm
+    assert a.strategy.to_json() == b.strategy.to_json()
+    assert [(e, t) for e, _, t in a.history] == [(e, t) for e, _, t in b.history]
+    # another machine object, or other default efficiencies: a new model
+    other = ff.Machine.preset("p100-cluster", devices=8)
+    assert common._analytic_model(other, decoder) is not cm
+    assert common._analytic_model(p100, decoder) is not cm  # (the other machine's replaced it)
+    cm2 = common._analytic_model(p100, decoder)
+    assert common._analytic_model(p100, decoder) is cm2
+    monkeypatch.setitem(cost_model.DEFAULT_EFFICIENCY, "a_rule_of_its_own", 0.123)
+    assert common._analytic_model(p100, decoder) is not cm2
