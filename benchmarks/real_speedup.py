@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -95,6 +96,7 @@ def build(name: str, batch: int):
 
 # (model, global batch)
 CASES = [("wide_mlp", 32), ("alexnet", 64), ("transformer", 32), ("rnnlm", 32)]
+ROUND_S = 0.1  # a round of short steps repeats them to about this long
 
 
 def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: float,
@@ -131,13 +133,17 @@ def _worker(rank: int, name: str, batch: int, steps: int, rounds: int, budget: f
             module, example_inputs=inputs, strategy=ff.Strategy.data_parallel(graph, machine), machine=machine,
             reduce_outputs="eager"), inputs)
     check = _losses(runs["flexflow_searched"], check_steps)  # from the initial parameters
-    for t in runs.values():
-        t.steps(3)  # warm-up
+    warm = {k: t.steps(3) for k, t in runs.items()}  # warm-up
+    # short steps repeat until a round lasts about ROUND_S (the ranks agree on the count):
+    # five 3-ms steps after another model's round time the switch more than the step
+    got = [None] * world
+    dist.all_gather_object(got, warm)
+    count = {k: max(steps, math.ceil(ROUND_S / max(max(g[k] for g in got), 1e-6))) for k in runs}
     times = {k: [] for k in runs}
     for _ in range(rounds):
         for k, t in runs.items():
             dist.barrier()
-            times[k].append(t.steps(steps))
+            times[k].append(t.steps(count[k]))
     out = {"times": times, "check_losses": check}
     if rank == 0:
         # the cost model the search used: the op times parallelize() measured on this host
@@ -235,7 +241,8 @@ def write_report(rows, command: str, seconds: float, out: Path) -> None:
     lines = ["# Measured speed against DDP (2 gloo processes, CPU)", "",
              f"Command (from the repository root): `{command}` ({seconds:.0f} s; torch {torch.__version__}, "
              f"{os.cpu_count()} CPUs, one thread per process).", "",
-             "Median step time over alternating rounds (a round counts at its slower rank); spread is "
+             "Median step time over alternating rounds (a round counts at its slower rank; short steps "
+             f"repeat until a round lasts about {ROUND_S} s, as the finalists' do); spread is "
              "min-max over rounds; ×DDP is DDP's step time over the contender's (higher is faster); "
              "predicted is the simulator's iteration time with the machine and op profile the search used "
              "(parallelize() profiles the ops on this host before it searches). `ddp_batched` is DDP on a "

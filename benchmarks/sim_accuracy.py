@@ -37,6 +37,7 @@ RESULTS = os.path.join(HERE, "results")
 
 # model, global batch: sized so that compute dominates Python overheads here
 CASES = [("alexnet", 64), ("rnnlm", 64), ("transformer", 32), ("wide_mlp", 32)]
+ROUND_S = 0.1  # a round of short steps repeats them to about this long (see timed_rounds)
 ROUNDS = 9
 NPROCS = 2
 # The random strategies: uniform draws (``Strategy.random``, seed j), a draw kept when the
@@ -121,7 +122,7 @@ def _measure(rank, name, batch, strategies_json, warmup, steps, rounds, plan_bud
         runs[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
     # a round: `steps` steps back to back, as in training, between barriers (the calibration
     # chains are timed the same way)
-    times = timed_rounds(runs, inputs, rounds, steps, warmup)
+    times = timed_rounds(runs, inputs, rounds, steps, warmup, round_s=ROUND_S)
     out = {k: {"median_s": statistics.median(v), "spread_s": [min(v), max(v)]} for k, v in times.items()}
     return {"times": out, "plans": plans}
 
@@ -232,7 +233,8 @@ def main(argv=None) -> int:
              "one thread each; the cpu machine calibrated first (`flexflow profile --comm`), every op "
              "partition the strategies need profiled on this CPU. Measured = median step time "
              f"(forward, backward, gradient sync, SGD step) over {rounds} interleaved rounds of {steps} steps "
-             f"of every strategy, after {warmup} warm-up steps; spread = fastest and slowest step.",
+             f"of every strategy (more where steps are short: a round lasts about {ROUND_S} s at least, as the "
+             f"finalists' do), after {warmup} warm-up steps; spread = fastest and slowest round.",
              " *analytic*: the prediction without any profile, as `parallelize()` searches on a host it has "
              "not profiled (calibrated machine, eager ops counted per partition).",
              "", "| model (small) | batch | strategy | predicted ms | measured ms (spread) | error "

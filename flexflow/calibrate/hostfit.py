@@ -124,12 +124,16 @@ def measure_steps(nprocs: int, rounds: int = 21, steps: int = 3, warmup: int = 3
     return out
 
 
-def timed_rounds(runs: dict, inputs, rounds: int, steps: int, warmup: int) -> dict:
+def timed_rounds(runs: dict, inputs, rounds: int, steps: int, warmup: int, round_s: float = 0.0) -> dict:
     """In every rank of a running group: label -> [seconds per step, one per round] of
     ``runs`` (label -> (model, optimizer)), each step zero_grad, forward on ``inputs``,
     backward, optimizer step and a read of the loss; after ``warmup`` steps each, rounds of
     ``steps`` steps per model in turn, between barriers (a round ends when the slowest rank
-    does)."""
+    does).  ``round_s``: a model whose warm-up steps were short takes more steps per round,
+    enough to last about this long (the ranks agree on the count), so a round of a
+    millisecond step measures the step, not the switch from the previous model."""
+    import math
+
     import torch.distributed as dist
 
     def step(model, opt):
@@ -138,18 +142,26 @@ def timed_rounds(runs: dict, inputs, rounds: int, steps: int, warmup: int) -> di
         loss.backward()
         opt.step()
         loss.item()
-    for model, opt in runs.values():
+    per = {}
+    for label, (model, opt) in runs.items():
+        t0 = time.perf_counter()
         for _ in range(warmup):
             step(model, opt)
+        per[label] = (time.perf_counter() - t0) / max(warmup, 1)
+    counts = {k: steps for k in runs}
+    if round_s > 0 and warmup > 0:
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, per)
+        counts = {k: max(steps, math.ceil(round_s / max(max(g[k] for g in got), 1e-6))) for k in runs}
     times = {k: [] for k in runs}
     for _ in range(rounds):
         for label, (model, opt) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(counts[label]):
                 step(model, opt)
             dist.barrier()
-            times[label].append((time.perf_counter() - t0) / steps)
+            times[label].append((time.perf_counter() - t0) / counts[label])
     return times
 
 
