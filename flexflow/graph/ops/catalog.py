@@ -209,7 +209,6 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     same = all(_is_tensor(t) and t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
     if name == "lstm_cell" and same and module is not None:
         args, kwargs = b.template()
-        flat = [a for a in flatten(args) if isinstance(a, InputRef)]
         op = b.make("lstm_cell", "lstm_cell", output_shape=(2,) + tuple(v[0].shape), dtype=v[0].dtype,
                     attrs={"stacked": True}, target=module, args=args, kwargs=kwargs,
                     module_path=b.node.target)
