@@ -12,6 +12,7 @@ it first.  The README lists them.
 | ``FLEXFLOW_FRONTEND``     | ``auto``                        | the tracer: ``fx``, ``export`` or ``auto`` (fx, then export) |
 | ``FLEXFLOW_NO_JIT``       | unset                           | ``1``: run the scheduler kernels interpreted (no numba) |
 | ``FLEXFLOW_GLOO_LOOP``    | ``batch``                       | ``normal``: leave gloo's event-loop threads at the normal scheduling policy |
+| ``FLEXFLOW_SEARCH_THREADS`` | the cores this process may use | threads a search simulates its proposals on (1: none beside the caller's) |
 """
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ import os
 from pathlib import Path
 
 __all__ = ["VARIABLES", "cache_dir", "no_calibrate", "timeout_s", "launch_grace_s", "frontend", "no_jit",
-           "batch_gloo_loops"]
+           "batch_gloo_loops",
+           "search_threads"]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_LAUNCH_GRACE_S = 30.0
 
 VARIABLES = ("FLEXFLOW_CACHE_DIR", "FLEXFLOW_NO_CALIBRATE", "FLEXFLOW_TIMEOUT_S", "FLEXFLOW_LAUNCH_GRACE_S",
-             "FLEXFLOW_FRONTEND", "FLEXFLOW_NO_JIT", "FLEXFLOW_GLOO_LOOP")
+             "FLEXFLOW_FRONTEND", "FLEXFLOW_NO_JIT", "FLEXFLOW_GLOO_LOOP", "FLEXFLOW_SEARCH_THREADS")
 
 
 def _flag(name: str) -> bool:
@@ -81,3 +83,21 @@ def batch_gloo_loops() -> bool:
     """$FLEXFLOW_GLOO_LOOP is "batch" (the default): the runtime's gloo loop threads
     run under SCHED_BATCH; "normal" leaves them alone."""
     return os.environ.get("FLEXFLOW_GLOO_LOOP", "batch") == "batch"
+
+
+def search_threads() -> int:
+    """$FLEXFLOW_SEARCH_THREADS, else the cores this process may run on: how many threads a
+    search simulates its proposals on."""
+    env = os.environ.get("FLEXFLOW_SEARCH_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"FLEXFLOW_SEARCH_THREADS must be a whole number of threads, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"FLEXFLOW_SEARCH_THREADS must be at least 1, got {env!r}")
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        return os.cpu_count() or 1

@@ -76,6 +76,25 @@ def test_screen_keeps_the_chain(graphs, name):
     assert [(e, t) for e, _, t in a.history] == [(e, t) for e, _, t in b.history]
 
 
+def test_threads_do_not_change_the_result(graphs, monkeypatch):
+    """Proposals are simulated in rounds side by side (search/parallel.py); the rounds are
+    the same whatever the number of threads, so the search is too, polish included."""
+    from flexflow.search import parallel
+
+    g = graphs["inception_v3"]
+    m = Machine.preset("k80-cluster", devices=8)
+    runs = []
+    for threads in ("1", "3"):
+        monkeypatch.setenv("FLEXFLOW_SEARCH_THREADS", threads)
+        assert parallel.Evaluator().threads == int(threads)
+        runs.append(search(g, m, evaluations=400, seed=5, progress=False))
+    a, b = runs
+    assert a.strategy.to_json() == b.strategy.to_json()
+    assert (a.evaluations, a.simulations, a.screened, a.cut) == (b.evaluations, b.simulations, b.screened, b.cut)
+    assert [(e, t) for e, _, t in a.history] == [(e, t) for e, _, t in b.history]
+    assert a.accept_rate == b.accept_rate and a.local_optimum == b.local_optimum
+
+
 def test_a_hopeless_start_is_screened_not_simulated(graphs, monkeypatch):
     """A random start whose load bound is already more than 1.5x another start's cost would
     begin at the best start anyway: the screen settles it without building its (large) task

@@ -167,6 +167,22 @@ def test_same_seed_and_evaluations_same_strategy(lenet, p100):
     assert a.result.iteration_time == b.result.iteration_time == full.result.iteration_time
 
 
+def test_evaluator_runs_jobs_in_order_and_raises_the_first_error(monkeypatch):
+    from flexflow.search.parallel import Evaluator
+
+    import sys
+    before = sys.getswitchinterval()
+    with Evaluator(threads=2) as ev:
+        assert ev.threads == 2
+        assert ev.map([(pow, 2, k) for k in range(7)]) == [2 ** k for k in range(7)]
+        with pytest.raises(ZeroDivisionError):
+            ev.map([(divmod, 1, 1), (divmod, 1, 0), (int, "x")])
+    assert sys.getswitchinterval() == before
+    monkeypatch.setenv("FLEXFLOW_SEARCH_THREADS", "0")
+    with pytest.raises(ValueError, match="FLEXFLOW_SEARCH_THREADS"):
+        Evaluator()
+
+
 @pytest.mark.slow
 def test_result_fields_and_json_round_trip(lenet, p100, lenet_runs):
     found = lenet_runs[3]

@@ -305,12 +305,14 @@ class _Run:
                     self.bar.set_postfix_str(f"best {self.best_res.iteration_time * 1e3:.3f} ms, "
                                              f"{self.evals / max(now, 1e-9):.0f} eval/s")
 
-    def spent(self, frac: float, patience: bool) -> bool:
+    def spent(self, frac: float, patience: bool, pending: int = 0) -> bool:
         """Whether the phase that may use ``frac`` of the budget is over: that much
-        is spent, or (patience) nothing improved for half of it."""
+        is spent, or (patience) nothing improved for half of it.  ``pending``: evaluations
+        made but not yet counted (a round's)."""
         if self.max_evals is not None:
             limit = self.max_evals * frac
-            return self.evals >= limit or (patience and self.evals - self.last_improve_evals >= limit / 2)
+            n = self.evals + pending
+            return n >= limit or (patience and n - self.last_improve_evals >= limit / 2)
         now = self.elapsed()
         limit = self.budget_s * frac
         return now >= limit or (patience and now - self.last_improve_s >= limit / 2)

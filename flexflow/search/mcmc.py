@@ -1,8 +1,7 @@
-"""MCMC search (section 5 of the paper) and the local descent that polishes its best."""
+"""MCMC search (section 5 of the paper); the local descent that polishes its best is ``descent.py``."""
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import random
 import time
@@ -17,6 +16,8 @@ from ..sim.taskkeys import PS
 from ..strategy.strategy import Strategy
 from .baselines import baseline_strategies, cpu_seconds, keep, memory_baselines, reuse_key, reused
 from .levers import LEVER_MOVE, Levers
+from .descent import _evaluate, descend, is_local_optimum
+from .parallel import ROUND, Evaluator
 from .repeats import REPEAT_MOVE, Repeats
 from .common import (
     BASELINES,
@@ -24,7 +25,6 @@ from .common import (
     SearchError,
     SearchResult,
     _better,
-    _penalised,
     _Run,
     _simulator,
     _analytic_model,
@@ -129,6 +129,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             raise SearchError("init strategy was made for another graph")
         init.check(machine)
 
+    make_sim = functools.partial(_simulator, graph, machine, cm, optimizer, sync, reduce_outputs, precision)
+    base_sims = {}  # baseline -> the simulator that simulated it: the chain starting there goes on from it
     key = None
     if baselines is None and baseline_results is None and candidates is None:
         key = reuse_key(graph, machine, cost_model, optimizer, sync, reduce_outputs, precision, shard)
@@ -150,8 +152,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             raise SearchError("baseline_results needs the baselines it was simulated from")
         base_res = dict(baseline_results)
     else:
-        sim0 = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
-        base_res = {"data_parallel": sim0.simulate(base["data_parallel"], incremental=False)}
+        base_res = {"data_parallel": _simulate_on(base_sims, "data_parallel", base["data_parallel"], make_sim)}
         if baselines is None and not base_res["data_parallel"].feasible:
             # shard levels, recomputation and tensor parallelism are memory plans: only where
             # data parallelism does not fit are fsdp, megatron and fsdp_tp built and simulated
@@ -160,7 +161,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             # run would, see the README's limits; and the zoo's models that fit train fastest
             # without tensor parallelism)
             base.update(memory_baselines(graph, machine, shard=shard, data_parallel=base["data_parallel"]))
-        base_res.update({k: sim0.simulate(s, incremental=False) for k, s in base.items() if k not in base_res})
+        base_res.update({k: _simulate_on(base_sims, k, s, make_sim) for k, s in base.items() if k not in base_res})
         keep(key, base, base_res, cost_model, cpu_seconds() - cpu0)
     spent = time.perf_counter() - t0
     if evaluations is None and spent >= 0.5 * budget:
@@ -174,7 +175,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     levers = None
     if (shard or recompute) and not dp_fits:
         # memory binds: shard levels and recomputation join the space (levers.py)
-        ctx = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision).ctx
+        ctx = make_sim().ctx
         levers = Levers(space, ctx, shard, recompute) or None
     repeats = (Repeats(space) or None) if repeat else None
     feasible = [r.iteration_time for r in base_res.values() if r.feasible]
@@ -211,7 +212,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     try:
         state, cost, sims, bounds, size = [], [], [], [], []
         for name, s in starts:
-            sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
+            sim = base_sims.pop(name, None) or make_sim()
             sims.append(sim)
             state.append(s)
             if name not in base_res and screen and cost and \
@@ -243,48 +244,66 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         # states, so the screen does not change them.
         work = [0] * len(starts)
         moves = [0] * len(starts)
-        while space.movable and not run.spent(mcmc_frac, patience=True):
-            c = min(range(len(starts)), key=work.__getitem__)
-            work[c] += size[c] + _OVERHEAD_TASKS
-            moves[c] += 1
-            lead = min(range(len(starts)), key=cost.__getitem__)
-            if moves[c] > _WARMUP and cost[c] > _LAGGING * cost[lead]:
-                state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
-                if screen:
-                    bounds[c] = LoadBound(sims[c].ctx, state[c])
-                moves[c] = 0
-            new, groups = _propose(rng, space, state[c], block, levers, repeats)
-            # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
-            u = rng.random()
-            proposed += 1
-            if screen:
-                lb = bounds[c].lower_bound(new, groups) / PS
-                # cost >= lb > cur and u >= exp(-beta (lb - cur)) >= exp(-beta (cost - cur)):
-                # the test below would reject it (the factor guards against rounding)
-                if lb > cost[c] and run.can_screen(lb) and \
-                        u >= math.exp(-beta * (lb - cost[c])) * (1.0 + 1e-12):
-                    run.screened()
-                    continue
-            if screen and run.best_key is not None and run.best_key[0] == 0:
-                # The test rejects every cost above max(cost - ln(u) / beta, best) (u = 0:
-                # none); the schedule stops as soon as it proves the time is above it.
-                limit = max(cost[c] - math.log(u) / beta, run.best_key[1]) * (1.0 + 1e-9) if u > 0 else math.inf
-                res = sims[c].simulate_within(new, limit, incremental=delta)
-                if res is None:
-                    run.cut()
-                    continue
-            else:
-                res = sims[c].simulate(new, incremental=delta)
-            k = run.seen(new, res)
-            if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
-                state[c], cost[c], size[c] = new, k[1], res.num_tasks
-                accepted += 1
-                if screen:
-                    bounds[c].commit(new)
-        converged = False
-        if polish and space.movable:
-            converged, _ = _descend(run, space, graph, machine, cm, delta, seed, optimizer, sync,
-                                    reduce_outputs, screen, precision, levers, repeats)
+        with Evaluator() as ev:
+            while space.movable and not run.spent(mcmc_frac, patience=True):
+                # a round: up to ROUND proposals, of distinct chains (parallel.py); those the
+                # screen leaves are simulated side by side, then read in the order they were made
+                # (the screen settles a proposal in its place: the rounds, and so the chains, are
+                # the same with and without it)
+                jobs, picked = [], set()
+                while len(picked) < min(ROUND, len(starts)):
+                    if run.spent(mcmc_frac, patience=True, pending=len(jobs)):
+                        break
+                    c = min((i for i in range(len(starts)) if i not in picked), key=work.__getitem__)
+                    picked.add(c)
+                    work[c] += size[c] + _OVERHEAD_TASKS
+                    moves[c] += 1
+                    lead = min(range(len(starts)), key=cost.__getitem__)
+                    if moves[c] > _WARMUP and cost[c] > _LAGGING * cost[lead]:
+                        state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
+                        if screen:
+                            bounds[c] = LoadBound(sims[c].ctx, state[c])
+                        moves[c] = 0
+                    new, groups = _propose(rng, space, state[c], block, levers, repeats)
+                    # accept iff cost <= cur or u < exp(-beta (cost - cur)), u drawn first
+                    u = rng.random()
+                    proposed += 1
+                    limit = None
+                    if screen:
+                        lb = bounds[c].lower_bound(new, groups) / PS
+                        # cost >= lb > cur and u >= exp(-beta (lb - cur)) >= exp(-beta (cost - cur)):
+                        # the test below would reject it (the factor guards against rounding)
+                        if lb > cost[c] and run.can_screen(lb) and \
+                                u >= math.exp(-beta * (lb - cost[c])) * (1.0 + 1e-12):
+                            jobs.append((c, None, u, None))  # screened: counted in its place below
+                            continue
+                        if run.best_key is not None and run.best_key[0] == 0:
+                            # The test rejects every cost above max(cost - ln(u) / beta, best) (u = 0:
+                            # none); the schedule stops as soon as it proves the time is above it.
+                            limit = max(cost[c] - math.log(u) / beta, run.best_key[1]) * (1.0 + 1e-9) \
+                                if u > 0 else math.inf
+                    jobs.append((c, new, u, limit))
+                results = iter(ev.map([(_evaluate, sims[c], new, limit, delta)
+                                        for c, new, _, limit in jobs if new is not None]))
+                for c, new, u, limit in jobs:
+                    if new is None:
+                        run.screened()
+                        continue
+                    res = next(results)
+                    if res is None:
+                        run.cut()
+                        continue
+                    k = run.seen(new, res)
+                    if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
+                        state[c], cost[c], size[c] = new, k[1], res.num_tasks
+                        accepted += 1
+                        if screen:
+                            bounds[c].commit(new)  # (its last lower_bound was this proposal's)
+            converged = False
+            if polish and space.movable:
+                order = sorted(range(len(starts)), key=cost.__getitem__)  # the best chain's first
+                converged, _ = descend(run, space, graph, [sims[c] for c in order], make_sim, ev, delta, seed,
+                                       screen, levers, repeats)
     finally:
         run.close()
 
@@ -307,6 +326,12 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                         run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
                         source, converged, baseline_s, run.sims, run.screens, run.cuts,
                         run.start_sims, run.start_screens, max(run.start_s - baseline_s, 0.0), reused_baselines)
+
+
+def _simulate_on(sims: dict, name: str, strategy: Strategy, make_sim):
+    """A baseline simulated from scratch on a simulator of its own (kept in ``sims``)."""
+    sim = sims[name] = make_sim()
+    return sim.simulate(strategy, incremental=False)
 
 
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
@@ -357,149 +382,3 @@ def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
                 groups.append(g)
             extra -= 1
     return new, groups
-
-
-def _descend(run: _Run, space: _Space, graph, machine, cm, delta: bool, seed: int,
-             optimizer: str = "sgd", sync: str = "ring", reduce_outputs: str = "with_gradients",
-             screen: bool = True, precision: str = "32-true", levers: Levers | None = None,
-             repeats: Repeats | None = None) -> tuple[bool, int]:
-    """Local descent from the run's best strategy, first improvement: single-group
-    changes (in a seeded order) until none improves; then pair moves (two adjacent
-    groups, producer and consumer, to one common config: a change the one-group
-    proposals only reach through a worse intermediate strategy); back to single
-    changes after a pair move improves.  Returns True when it converged (no
-    single-group or pair change improves: a local optimum), False when the budget
-    ran out first; and how many attempts the load lower bound settled (a change whose
-    bound is no better than the current cost cannot improve it).  With ``levers``, a group's
-    candidates keep its levers, its lever variants are single changes too, and lever moves
-    on whole op kinds come before the pair moves."""
-    sim = _simulator(graph, machine, cm, optimizer, sync, reduce_outputs, precision)
-    order = list(range(len(space.reps)))
-    random.Random(seed).shuffle(order)
-    pairs = None  # (producer group, consumer group, their common configs): made when first reached
-    state = {"cur": run.best, "key": None, "screened": 0}
-    bound = LoadBound(sim.ctx, run.best) if screen else None
-
-    def attempt(new, groups) -> bool | None:
-        if run.spent(1.0, patience=False):
-            return None
-        if bound is not None:
-            lb = bound.lower_bound(new, groups) / PS
-            if state["key"][0] == 0 and lb >= state["key"][1]:
-                run.screened()  # cost >= lb >= the current cost: no improvement
-                state["screened"] += 1
-                return False
-        if bound is not None and state["key"][0] == 0:
-            # only a strictly lower cost improves: stop the schedule once it proves more
-            res = sim.simulate_within(new, state["key"][1] * (1.0 + 1e-9), incremental=delta)
-            if res is None:
-                run.cut()
-                return False
-        else:
-            res = sim.simulate(new, incremental=delta)
-        k = run.seen(new, res)
-        if _better(k, state["key"]):
-            state["cur"], state["key"] = new, k
-            if bound is not None:
-                bound.commit(new)
-            return True
-        return False
-
-    if run.spent(1.0, patience=False):
-        return False, 0
-    state["key"] = run.seen(state["cur"], sim.simulate(state["cur"], incremental=delta), start=True)
-    while True:
-        quiet, i = 0, 0  # groups scanned in a row without an improvement
-        while quiet < len(order):
-            gi = order[i]
-            rep, improved = space.reps[gi], False
-            for cfg in space.cands[gi]:
-                if levers is not None:
-                    cfg = levers.carry(gi, cfg, state["cur"][rep])
-                if cfg != state["cur"][rep]:
-                    ok = attempt(state["cur"].replace(rep, cfg), (gi,))
-                    if ok is None:
-                        return False, state["screened"]
-                    improved |= ok
-            for cfg in levers.variants(gi, state["cur"][rep]) if levers is not None else ():
-                ok = attempt(state["cur"].replace(rep, cfg), (gi,))
-                if ok is None:
-                    return False, state["screened"]
-                improved |= ok
-            quiet = 0 if improved else quiet + 1
-            i = (i + 1) % len(order)
-        moved = False
-        # whole-kind lever moves first, then the repeated blocks aligned (the first taken ends both)
-        sources = ([lambda: levers.block_moves(state["cur"])] if levers is not None else []) + \
-            ([lambda: repeats.align_moves(state["cur"], levers)] if repeats else [])
-        for new, groups in itertools.chain.from_iterable(f() for f in sources):  # (each made when reached)
-            ok = attempt(new, groups)
-            if ok is None:
-                return False, state["screened"]
-            if ok:
-                moved = True
-                break
-        if not moved and pairs is None:
-            pairs = _pairs(graph, space)
-        for a, b, common in pairs if not moved else ():
-            ra, rb = space.reps[a], space.reps[b]
-            for cfg in common:
-                cur = state["cur"]
-                ca = cfg if levers is None else levers.carry(a, cfg, cur[ra])
-                cb = cfg if levers is None else levers.carry(b, cfg, cur[rb])
-                if cur[ra] == ca or cur[rb] == cb:
-                    continue  # a single-group change, already tried
-                ok = attempt(cur.replace(ra, ca).replace(rb, cb), (a, b))
-                if ok is None:
-                    return False, state["screened"]
-                if ok:
-                    moved = True
-                    break
-            if moved:
-                break
-        if not moved:
-            return True, state["screened"]
-
-
-def _pairs(graph: OpGraph, space: _Space) -> list[tuple[int, int, list]]:
-    """The descent's pair moves: (producer group, consumer group, the configs both may take)
-    for the adjacent groups that share a candidate."""
-    out = []
-    for a, b in _adjacent_groups(graph, space):
-        common = [c for c in space.cands[a] if c in space.index[b]]
-        if common:
-            out.append((a, b, common))
-    return out
-
-
-def _adjacent_groups(graph: OpGraph, space: _Space) -> list[tuple[int, int]]:
-    """(producer group, consumer group) pairs joined by an edge, in graph order."""
-    gid = {op: i for i, k in enumerate(space.keys) for op in graph.groups[k]}
-    out = {}
-    for op in graph.compute_ops:
-        for u in op.inputs:
-            if u in gid and gid[u] != gid[op.name]:
-                out[gid[u], gid[op.name]] = None
-    return list(out)
-
-
-def is_local_optimum(graph: OpGraph, machine, strategy: Strategy, cost_model=None, *,
-                     candidates: Candidates | None = None, optimizer: str = "sgd", precision: str = "32-true"):
-    """(True, None) when no single share-group change (to any candidate config)
-    improves ``strategy``; else (False, (op_name, config, iteration_time_s)), the
-    first improving change found.  Feasible beats infeasible; ties do not improve."""
-    cm = cost_model if cost_model is not None else _analytic_model(machine, graph)
-    space = _Space(graph, machine, candidates)
-    sim = _simulator(graph, machine, cm, optimizer, precision=precision)
-    res = sim.simulate(strategy, incremental=False)
-    scale = res.iteration_time
-    key = lambda r: (0 if r.feasible else 1, _penalised(r, machine, scale))
-    k0 = key(res)
-    for rep, cs in zip(space.reps, space.cands):
-        for cfg in cs:
-            if cfg == strategy[rep]:
-                continue
-            r = sim.simulate(strategy.replace(rep, cfg), incremental=True)
-            if _better(key(r), k0):
-                return False, (rep, cfg, r.iteration_time)
-    return True, None
