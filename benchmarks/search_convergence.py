@@ -127,8 +127,14 @@ def run_budget_check(name: str, devices: int = 64, budget: float = 15.0) -> list
 
 
 def llm_markdown(cases: list[dict], checks: list[dict], meta: dict) -> str:
-    L = ["# Search at the scale of today's decoders", "", f"Command: `{meta['command']}`  ",
-         f"Run: {meta['date']} on {meta['host']}.", "",
+    # each part records the run that made it (``--llm`` and ``--budget-check`` run apart)
+    parts = meta.get("parts") or {"cases": meta, "checks": meta}
+    L = ["# Search at the scale of today's decoders", ""]
+    for part, flag in (("cases", "LLaMA rows"), ("checks", "`--budget-check` rows")):
+        m = parts.get(part)
+        if m and (cases if part == "cases" else checks):
+            L += [f"{flag}: `{m['command']}`, run {m['date']} on {m['host']}.  "]
+    L += ["",
          ("LLaMA at sequence 4096, 2 sequences per GPU, bf16 mixed precision, AdamW, on `h100-cluster`; one "
          "`ff.search` call whose budget includes its baselines. `evals`: proposals scored (simulated, "
          "cut by a proven bound, or screened by the load bound); chain starts and baselines apart."), "",
@@ -296,9 +302,15 @@ def main_llm(a, argv) -> int:
             "host": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
                     f"Python {platform.python_version()}"}
     cases, checks = [], []
+    parts = {}
     if out.with_suffix(".json").exists():  # keep the other mode's part of an earlier run
         old = json.loads(out.with_suffix(".json").read_text())
         cases, checks = (old.get("cases", []) if not a.llm else []), (old.get("checks", []) if not a.budget_check else [])
+        parts = dict(old.get("meta", {}).get("parts") or {})
+    for part, mine in (("cases", a.llm), ("checks", a.budget_check)):
+        if mine:
+            parts[part] = {k: meta[k] for k in ("command", "date", "host")}
+    meta["parts"] = parts
     for size, devices in ([("8b", 8), ("8b", 64), ("70b", 64)] if a.llm else []):
         for repeat in (True, False):
             c = run_llm_case(size, devices, a.budget or 120.0, repeat)
