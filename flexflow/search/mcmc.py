@@ -130,7 +130,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         init.check(machine)
 
     make_sim = functools.partial(_simulator, graph, machine, cm, optimizer, sync, reduce_outputs, precision)
-    base_sims = {}  # baseline -> the simulator that simulated it: the chain starting there goes on from it
+    base_sims = {}  # baseline -> the simulator holding its task graph: the chain starting there goes on from it
     key = None
     if baselines is None and baseline_results is None and candidates is None:
         key = reuse_key(graph, machine, cost_model, optimizer, sync, reduce_outputs, precision, shard)
@@ -230,10 +230,13 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             cost.append(run.seen(s, res, count=name not in base_res)[1])
             size.append(res.num_tasks)
         run.started()
+        base_sims.clear()  # (the baselines no chain starts from: their task graphs go)
         lead = min(range(len(starts)), key=cost.__getitem__)
         for c in range(len(starts)):  # a hopeless start begins at the best one instead
             if cost[c] > _LAGGING * cost[lead]:
                 state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
+                if sims[c]._tg is not None:
+                    sims[c] = make_sim()  # (its own start's task graph goes now, not when it rebuilds)
         bounds = [LoadBound(sim.ctx, s) if screen else None for sim, s in zip(sims, state)]
         # Chains take turns by work, not by rounds: the next proposal goes to the chain whose
         # proposals so far add up to the fewest tasks (its current task graph's size per
@@ -329,9 +332,19 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
 
 
 def _simulate_on(sims: dict, name: str, strategy: Strategy, make_sim):
-    """A baseline simulated from scratch on a simulator of its own (kept in ``sims``)."""
-    sim = sims[name] = make_sim()
-    return sim.simulate(strategy, incremental=False)
+    """A baseline simulated from scratch.  Data parallelism gets a simulator of its own, the
+    others take turns on one (at 64 GPUs a 70B model's task graphs are gigabytes each: they
+    are not all kept); ``sims`` maps a baseline to the simulator still holding its graph,
+    which the chain that starts there goes on from."""
+    if name == "data_parallel" or "_shared" not in sims:
+        sim = make_sim()
+    else:
+        sim = sims.pop(sims.pop("_shared"))
+    res = sim.simulate(strategy, incremental=False)
+    sims[name] = sim
+    if name != "data_parallel":
+        sims["_shared"] = name
+    return res
 
 
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
