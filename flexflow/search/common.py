@@ -292,6 +292,19 @@ class _Run:
         self.cuts += 1
         self._show()
 
+    def settle(self, strategy: Strategy, results, screened: bool) -> tuple:
+        """Count one proposal of a round, in its place: screened (``screened``), or the next
+        of ``results`` (an iterator over the round's simulations): cut (None) or simulated.
+        Returns (cost key, result) of a simulated one, else (None, None)."""
+        if screened:
+            self.screened()
+            return None, None
+        res = next(results)
+        if res is None:
+            self.cut()
+            return None, None
+        return self.seen(strategy, res), res
+
     def _show(self) -> None:
         if self.bar is not None or self.callback is not None:
             now = self.elapsed()

@@ -78,16 +78,9 @@ class _Descent:
                                     for i, (new, _) in enumerate(take)]))
         best = None
         for new, groups, out in pulled:
-            if out:
-                run.screened()
-                self.screened += 1
-                continue
-            res = next(results)
-            if res is None:
-                run.cut()
-                continue
-            k = run.seen(new, res)
-            if _better(k, self.key):
+            self.screened += out
+            k, _ = run.settle(new, results, out)
+            if k is not None and _better(k, self.key):
                 best, self.key = (new, groups), k
         if best is None:
             return False

@@ -289,15 +289,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                 results = iter(ev.map([(_evaluate, sims[c], new, limit, delta)
                                         for c, new, _, limit in jobs if new is not None]))
                 for c, new, u, limit in jobs:
-                    if new is None:
-                        run.screened()
-                        continue
-                    res = next(results)
-                    if res is None:
-                        run.cut()
-                        continue
-                    k = run.seen(new, res)
-                    if k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c])):
+                    k, res = run.settle(new, results, new is None)
+                    if k is not None and (k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c]))):
                         state[c], cost[c], size[c] = new, k[1], res.num_tasks
                         accepted += 1
                         if screen:
