@@ -165,6 +165,26 @@ def test_fit_learns_factors_that_predict_the_measurements(mlp, truth, used):
                            measured_s=None)]) == (truth, {})
 
 
+def test_the_fit_averages_a_plan_over_the_calls_that_measured_it(mlp):
+    """The second call's finalists (the same plans) measured 1.2x the first call's: the fit
+    takes every measurement of a plan in the history, so it predicts their geometric mean
+    (1.095x), not the latest call's alone; a history row it cannot read is passed over."""
+    graph, machine = mlp
+    truth = Corrections(1.5, message=3.0)
+    first = _finalists_measured_by(graph, machine, truth, Corrections())
+    fitted, _ = fit_corrections(graph, machine, CostModel(machine), Corrections(), first)
+    assert all(len(row) == 5 for row in fitted.history[-1]["finalists"])  # the strategies kept
+    fitted.history[-1]["finalists"].append(["lost", 1.0, 1.0, 1.0, "not a strategy"])
+    second = [dataclasses.replace(f, measured_s=f.measured_s * 1.2) for f in first]
+    alone, refit_alone = fit_corrections(graph, machine, CostModel(machine),
+                                         Corrections(**fitted.factors()), second)
+    both, refit_both = fit_corrections(graph, machine, CostModel(machine), fitted, second)
+    assert both.history[-1]["points"] == 3 and alone.history[-1]["points"] == 3
+    for f in first:
+        assert refit_alone[f.name] / f.measured_s == pytest.approx(1.2, rel=0.05)
+        assert refit_both[f.name] / f.measured_s == pytest.approx(1.2 ** 0.5, rel=0.05)
+
+
 # ---- on 2 processes ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_flattering_simulator_still_leads_to_the_measured_fastest():

@@ -10,11 +10,20 @@ Gauss-Newton steps with the Jacobian taken by finite differences (each point a s
 of every measured finalist; a factor at the edge of its range is differentiated inwards).
 The regularisation keeps a factor the finalists say nothing about (no message in any of
 them) where it was.
+
+The points are this call's finalists and those of the earlier fits of the same graph on
+the host that kept their strategies (``Corrections.history``, the latest ``_HISTORY``): a
+plan measured in several calls counts once per measurement, at the mean of its log step
+times.  With only the latest call's finalists -- three plans, three factors -- every fit
+passed through its own points, and one noisy measurement swung a factor to the edge of
+its range; the earlier calls' measurements average the host's moments out.
 """
 from __future__ import annotations
 
+import base64
 import math
 import time
+import zlib
 
 import numpy as np
 
@@ -23,7 +32,7 @@ from ..sim.simulate import Simulator
 from ..strategy.strategy import Strategy
 from .select import Finalist
 
-__all__ = ["REG", "fit_corrections"]
+__all__ = ["REG", "fit_corrections", "packed", "unpacked"]
 
 REG = 0.01  # weight of |x|^2 (x: log factors) against the squared log errors
 _H = 0.25  # finite-difference step, in log factor
@@ -33,6 +42,45 @@ _ITERATIONS = 3
 def _free(strategy: Strategy) -> Strategy:
     """The strategy's configs with no machine recorded (it is simulated on corrected copies)."""
     return Strategy(strategy.graph, dict(strategy.items()), name=strategy.name)
+
+
+def packed(strategy_json: str) -> str:
+    """A strategy's JSON as the corrections history keeps it (compressed: a large model's
+    plan repeats one config over thousands of ops)."""
+    return base64.b64encode(zlib.compress(strategy_json.encode(), 9)).decode("ascii")
+
+
+def unpacked(text: str) -> str:
+    return zlib.decompress(base64.b64decode(text.encode("ascii"))).decode()
+
+
+def _points(graph, done: list[Finalist], history: list) -> tuple[list, np.ndarray, np.ndarray]:
+    """(strategies, mean log measured step, measurements) per distinct plan: this call's
+    measured finalists, then the plans earlier fits of this graph measured (history rows that
+    kept their strategy: ``[name, predicted_s, measured_s, refit_s, packed strategy]``)."""
+    fp = graph.fingerprint()
+    logs: dict[str, list] = {}
+    plans: dict[str, Strategy] = {}
+    for f in done:
+        key = f.strategy_json
+        logs.setdefault(key, []).append(math.log(f.measured_s))
+        plans.setdefault(key, _free(f.bind(graph)))
+    for entry in history:
+        if not isinstance(entry, dict) or entry.get("graph") != fp:
+            continue
+        for row in entry.get("finalists", ()):
+            if not isinstance(row, list) or len(row) < 5 or not isinstance(row[2], (int, float)) or row[2] <= 0:
+                continue
+            try:
+                key = unpacked(row[4])
+                if key not in plans:
+                    plans[key] = _free(Strategy.from_json(key, graph))
+            except Exception:  # noqa: BLE001 - a row this graph cannot read teaches nothing
+                continue
+            logs.setdefault(key, []).append(math.log(row[2]))
+    keys = list(plans)
+    return ([plans[k] for k in keys], np.array([float(np.mean(logs[k])) for k in keys]),
+            np.array([len(logs[k]) for k in keys], float))
 
 
 def fit_corrections(graph, machine, cost_model, current: Corrections, finalists: list[Finalist], *,
@@ -47,8 +95,7 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
     done = [f for f in finalists if f.measured_s is not None and f.measured_s > 0]
     if not done:
         return current, {}
-    strategies = [_free(f.bind(graph)) for f in done]
-    target = np.log([f.measured_s for f in done])
+    strategies, target, weight = _points(graph, done, current.history)
     lo, hi = (math.log(b) for b in FACTOR_RANGE)
 
     def corrections(x) -> Corrections:
@@ -61,7 +108,7 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
         return np.array([sim.simulate(s, incremental=False).iteration_time for s in strategies])
 
     def loss(p, x) -> float:
-        return float(((np.log(p) - target) ** 2).sum() + REG * (x ** 2).sum())
+        return float((weight * (np.log(p) - target) ** 2).sum() + REG * (x ** 2).sum())
 
     x = np.zeros(3)
     p = predict(x)
@@ -70,14 +117,15 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
         if it and time.perf_counter() - t0 > seconds:
             break
         r = np.log(p) - target
-        jac = np.empty((len(done), 3))
+        jac = np.empty((len(strategies), 3))
         now = corrections(x).factors()
         for j, key in enumerate(("compute", "message", "sync")):
             h = -_H if now[key] * math.exp(_H) > FACTOR_RANGE[1] else _H  # inwards at the top edge
             e = np.zeros(3)
             e[j] = h
             jac[:, j] = (np.log(predict(x + e)) - np.log(p)) / h
-        step = np.linalg.solve(jac.T @ jac + REG * np.eye(3), -(jac.T @ r + REG * x))
+        wj = jac * weight[:, None]
+        step = np.linalg.solve(wj.T @ jac + REG * np.eye(3), -(wj.T @ r + REG * x))
         for _ in range(3):  # the step, or shorter ones while it does not help
             cand = np.clip(x + step, lo, hi)
             q = predict(cand)
@@ -89,10 +137,13 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
         else:
             break
     out = corrections(x)
-    refit = {f.name: float(t) for f, t in zip(done, p)}
+    # this call's finalists come first among the points, a plan measured twice in it once
+    order = list(dict.fromkeys(f.strategy_json for f in done))
+    refit = {f.name: float(p[order.index(f.strategy_json)]) for f in done}
     out.samples = current.samples + len(done)
     out.history = list(current.history) + [{
         "graph": graph.fingerprint(),
-        "finalists": [[f.name, f.predicted_s, f.measured_s, refit[f.name]] for f in done],
+        "finalists": [[f.name, f.predicted_s, f.measured_s, refit[f.name], packed(f.strategy_json)] for f in done],
+        "points": len(strategies),
         "factors": {"compute": math.exp(x[0]), "message": math.exp(x[1]), "sync": math.exp(x[2])}}]
     return out, refit
