@@ -32,7 +32,7 @@ from ..sim.simulate import Simulator
 from ..strategy.strategy import Strategy
 from .select import Finalist
 
-__all__ = ["REG", "fit_corrections", "packed", "unpacked"]
+__all__ = ["REG", "fit_corrections"]
 
 REG = 0.01  # weight of |x|^2 (x: log factors) against the squared log errors
 _H = 0.25  # finite-difference step, in log factor
@@ -44,20 +44,21 @@ def _free(strategy: Strategy) -> Strategy:
     return Strategy(strategy.graph, dict(strategy.items()), name=strategy.name)
 
 
-def packed(strategy_json: str) -> str:
+def _packed(strategy_json: str) -> str:
     """A strategy's JSON as the corrections history keeps it (compressed: a large model's
     plan repeats one config over thousands of ops)."""
     return base64.b64encode(zlib.compress(strategy_json.encode(), 9)).decode("ascii")
 
 
-def unpacked(text: str) -> str:
+def _unpacked(text: str) -> str:
     return zlib.decompress(base64.b64decode(text.encode("ascii"))).decode()
 
 
-def _points(graph, done: list[Finalist], history: list) -> tuple[list, np.ndarray, np.ndarray]:
-    """(strategies, mean log measured step, measurements) per distinct plan: this call's
-    measured finalists, then the plans earlier fits of this graph measured (history rows that
-    kept their strategy: ``[name, predicted_s, measured_s, refit_s, packed strategy]``)."""
+def _points(graph, done: list[Finalist], history: list) -> tuple[list, list, np.ndarray, np.ndarray]:
+    """(strategy JSON texts, strategies, mean log measured step, measurements) per distinct
+    plan: this call's measured finalists, then the plans earlier fits of this graph measured
+    (history rows that kept their strategy: ``[name, predicted_s, measured_s, refit_s,
+    packed strategy]``)."""
     fp = graph.fingerprint()
     logs: dict[str, list] = {}
     plans: dict[str, Strategy] = {}
@@ -72,14 +73,14 @@ def _points(graph, done: list[Finalist], history: list) -> tuple[list, np.ndarra
             if not isinstance(row, list) or len(row) < 5 or not isinstance(row[2], (int, float)) or row[2] <= 0:
                 continue
             try:
-                key = unpacked(row[4])
+                key = _unpacked(row[4])
                 if key not in plans:
                     plans[key] = _free(Strategy.from_json(key, graph))
             except Exception:  # noqa: BLE001 - a row this graph cannot read teaches nothing
                 continue
             logs.setdefault(key, []).append(math.log(row[2]))
     keys = list(plans)
-    return ([plans[k] for k in keys], np.array([float(np.mean(logs[k])) for k in keys]),
+    return (keys, [plans[k] for k in keys], np.array([float(np.mean(logs[k])) for k in keys]),
             np.array([len(logs[k]) for k in keys], float))
 
 
@@ -95,7 +96,7 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
     done = [f for f in finalists if f.measured_s is not None and f.measured_s > 0]
     if not done:
         return current, {}
-    strategies, target, weight = _points(graph, done, current.history)
+    keys, strategies, target, weight = _points(graph, done, current.history)
     lo, hi = (math.log(b) for b in FACTOR_RANGE)
 
     def corrections(x) -> Corrections:
@@ -137,13 +138,12 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
         else:
             break
     out = corrections(x)
-    # this call's finalists come first among the points, a plan measured twice in it once
-    order = list(dict.fromkeys(f.strategy_json for f in done))
-    refit = {f.name: float(p[order.index(f.strategy_json)]) for f in done}
+    at = {k: i for i, k in enumerate(keys)}
+    refit = {f.name: float(p[at[f.strategy_json]]) for f in done}
     out.samples = current.samples + len(done)
     out.history = list(current.history) + [{
         "graph": graph.fingerprint(),
-        "finalists": [[f.name, f.predicted_s, f.measured_s, refit[f.name], packed(f.strategy_json)] for f in done],
+        "finalists": [[f.name, f.predicted_s, f.measured_s, refit[f.name], _packed(f.strategy_json)] for f in done],
         "points": len(strategies),
         "factors": {"compute": math.exp(x[0]), "message": math.exp(x[1]), "sync": math.exp(x[2])}}]
     return out, refit

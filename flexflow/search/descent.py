@@ -138,6 +138,9 @@ def descend(run: _Run, space: _Space, graph, sims: list, make_sim, ev: Evaluator
                 yield d.cur.replace(rep, cfg), (gi,)
 
     def pair_moves():
+        nonlocal pairs
+        if pairs is None:
+            pairs = _pairs(graph, space)
         for a, b, common in pairs:
             ra, rb = space.reps[a], space.reps[b]
             for cfg in common:
@@ -161,8 +164,6 @@ def descend(run: _Run, space: _Space, graph, sims: list, make_sim, ev: Evaluator
             i = (i + 1) % len(order)
         # whole-kind lever moves first, then the repeated blocks aligned, then pairs: each
         # made from the current strategy when reached; the first round that moves ends them
-        if pairs is None:
-            pairs = _pairs(graph, space)
         sources = ([lambda: levers.block_moves(d.cur)] if levers is not None else []) + \
             ([lambda: repeats.align_moves(d.cur, levers)] if repeats else []) + [pair_moves]
         items = _Lookahead(itertools.chain.from_iterable(f() for f in sources))

@@ -235,8 +235,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         for c in range(len(starts)):  # a hopeless start begins at the best one instead
             if cost[c] > _LAGGING * cost[lead]:
                 state[c], cost[c], size[c] = state[lead], cost[lead], size[lead]
-                if sims[c]._tg is not None:
-                    sims[c] = make_sim()  # (its own start's task graph goes now, not when it rebuilds)
+                sims[c] = make_sim()  # (its own start's task graph goes now, not when it rebuilds)
         bounds = [LoadBound(sim.ctx, s) if screen else None for sim, s in zip(sims, state)]
         # Chains take turns by work, not by rounds: the next proposal goes to the chain whose
         # proposals so far add up to the fewest tasks (its current task graph's size per
@@ -288,7 +287,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
                     jobs.append((c, new, u, limit))
                 results = iter(ev.map([(_evaluate, sims[c], new, limit, delta)
                                         for c, new, _, limit in jobs if new is not None]))
-                for c, new, u, limit in jobs:
+                for c, new, u, _ in jobs:
                     k, res = run.settle(new, results, new is None)
                     if k is not None and (k[1] <= cost[c] or u < math.exp(-beta * (k[1] - cost[c]))):
                         state[c], cost[c], size[c] = new, k[1], res.num_tasks
@@ -329,15 +328,10 @@ def _simulate_on(sims: dict, name: str, strategy: Strategy, make_sim):
     others take turns on one (at 64 GPUs a 70B model's task graphs are gigabytes each: they
     are not all kept); ``sims`` maps a baseline to the simulator still holding its graph,
     which the chain that starts there goes on from."""
-    if name == "data_parallel" or "_shared" not in sims:
-        sim = make_sim()
-    else:
-        sim = sims.pop(sims.pop("_shared"))
-    res = sim.simulate(strategy, incremental=False)
+    held = next((k for k in sims if k != "data_parallel"), None)
+    sim = make_sim() if name == "data_parallel" or held is None else sims.pop(held)
     sims[name] = sim
-    if name != "data_parallel":
-        sims["_shared"] = name
-    return res
+    return sim.simulate(strategy, incremental=False)
 
 
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
