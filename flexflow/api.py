@@ -110,7 +110,7 @@ def _default_machine(n: int, nccl: bool, searching: bool = False) -> Machine:
 PROFILE_SHARE = 1 / 3
 
 
-def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
+def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0, precision: str = "32-true"):
     """(cost model, profile report or None) for searching ``graph`` on ``machine``
     from this host.  When ``device`` is of the machine's device kind (the cpu
     machine and this CPU, an H100 machine and this H100), the op partitions the
@@ -118,7 +118,8 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
     everything-on-one-device's first, then every candidate config's, for at most
     ``seconds`` (what the profile cache holds costs nothing); the analytic model,
     fitted to those measurements, prices what is left.  Otherwise the machine's
-    profile where one exists (:meth:`CostModel.for_machine`)."""
+    profile where one exists (:meth:`CostModel.for_machine`).  ``precision``: the ops are
+    measured as they run under it (:func:`flexflow.cost.profile.profile_graph`)."""
     from .cost.model import CostModel
     from .cost.profile import profile_graph
     from .cost.profiledb import ProfileDB, device_kind_of, device_name
@@ -134,11 +135,12 @@ def host_cost_model(graph, machine, device="cpu", seconds: float = 10.0):
     first = Strategy.single_device(graph, machine)
     report = profile_graph(graph, device, strategy=Strategy.data_parallel(graph, machine),
                            configs={op.name: first[op.name] for op in graph.compute_ops}, db=db,
-                           budget_s=seconds)
+                           budget_s=seconds, precision=precision)
     left = seconds - (time.perf_counter() - t0)
     if left > 0 and not report.skipped:
         rest = profile_graph(graph, device, configs={op.name: candidate_configs(op, machine)
-                                                     for op in graph.compute_ops}, db=db, budget_s=left)
+                                                     for op in graph.compute_ops}, db=db, budget_s=left,
+                               precision=precision)
         report.measured += rest.measured
         report.skipped += rest.skipped
         report.errors += rest.errors
@@ -166,7 +168,7 @@ def _search_plan(graph, machine, budget: float, optimizer: str = "sgd", device=N
     elif device is None:
         cm = CostModel.for_machine(machine)
     else:
-        cm, _ = host_cost_model(graph, machine, device, budget * PROFILE_SHARE)
+        cm, _ = host_cost_model(graph, machine, device, budget * PROFILE_SHARE, precision)
     keep = FINALIST_SHARE if finalists > 1 else 0.0
     left = max(budget * (1 - keep) - (time.perf_counter() - t0), budget * (1 - PROFILE_SHARE - keep))
     used = load_corrections(machine, graph.fingerprint()) if cost_model is None else None

@@ -343,6 +343,31 @@ def test_host_cost_model_profiles_what_the_search_may_choose(cache):
     assert none is None
 
 
+def test_a_mixed_precision_profile_is_what_a_mixed_precision_simulator_reads(cache):
+    """Profiled under "bf16-mixed", the ops are timed in the dtypes autocast gives them, under
+    the keys the simulator of that precision looks up; a float32 profile does not serve it."""
+    from flexflow.api import host_cost_model
+    from flexflow.cost.precision import priced_cost_model, priced_ops, precision
+    g = _small("transformer")
+    machine = ff.Machine.preset("cpu", devices=2)
+    dp = ff.Strategy.data_parallel(g, machine)
+    priced = dict(zip((o.name for o in g.ops), priced_ops(g, precision("bf16-mixed"))))
+    matmuls = [op for op in g.compute_ops if priced[op.name].dtype == torch.bfloat16]
+    assert matmuls  # the run changes some dtypes, or the test shows nothing
+
+    def sources(cm):
+        pcm = priced_cost_model(cm, "bf16-mixed", g)
+        return {pcm.source(op, part, part.device) for op in matmuls for part in partitions(op, dp[op.name])}
+
+    cm32, rep32 = host_cost_model(g, machine, "cpu", seconds=math.inf)
+    assert rep32.errors == 0 and sources(cm32) == {"analytic"}
+    cm16, rep16 = host_cost_model(g, machine, "cpu", seconds=math.inf, precision="bf16-mixed")
+    assert rep16.measured > 0 and rep16.errors == 0 and sources(cm16) == {"measured"}
+    assert {e["dtype"] for e in rep16.ops} >= {"bfloat16", "float32"}  # the loss stays in float32
+    with pytest.raises(ValueError, match="precision"):
+        profile_graph(g, precision="bf17")
+
+
 def test_host_cost_model_stops_at_its_time(cache):
     from flexflow.api import host_cost_model
     g = _small("inception_v3")

@@ -389,7 +389,7 @@ def _configs_for(op, strategy, configs) -> list:
 def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int = 5,
                   progress: bool = False, *, db: ProfileDB | None = None, profile_dir=None,
                   warmup: int = 1, max_seconds: float = 2.0, save: bool = True,
-                  ops=None, budget_s: float | None = None) -> ProfileReport:
+                  ops=None, budget_s: float | None = None, precision: str = "32-true") -> ProfileReport:
     """Profile every distinct partition key of ``graph``'s compute ops on ``device``
     ("cpu", "cuda", "cuda:1"), each once; keys already in the cache are not re-run.
 
@@ -402,8 +402,13 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     ``progress``: a tqdm bar on stderr when it is a terminal.  An op that fails to run
     is reported with its ``error`` and not cached; the others go on.
     ``budget_s``: measure nothing new once this many seconds have passed; the keys
-    left are reported with ``skipped`` (``ProfileReport.skipped`` counts them)."""
+    left are reported with ``skipped`` (``ProfileReport.skipped`` counts them).
+    ``precision``: the training precision (:mod:`flexflow.cost.precision`) whose ops are
+    timed: under "bf16-mixed" each op runs in the dtypes autocast gives it, under the keys
+    a simulator of that precision looks up; "32-true", the graph's own dtypes."""
+    from .precision import precision as _precision, priced_ops
     t_start = time.perf_counter()
+    priced = dict(zip((o.name for o in graph.ops), priced_ops(graph, _precision(precision))))
     dev = _torch_device(device)
     name = device_name(dev)
     if db is None:
@@ -414,6 +419,7 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     for op in graph.compute_ops:
         if only is not None and op.name not in only:
             continue
+        op = priced[op.name]
         mine = set()
         for config in _configs_for(op, strategy, configs):
             for part in partitions(op, config):
