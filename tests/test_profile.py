@@ -512,3 +512,26 @@ def test_partitions_are_measured_round_robin_in_the_order_given(monkeypatch):
     assert calls[6:] == [names[0], names[2]] * 2  # the failed one dropped
     assert got[0] == (0.02, 0.03, 3) and got[2] == (0.02, 0.03, 3)
     assert isinstance(got[1], ValueError)
+
+
+def test_gpu_validate_dry_run_on_the_cpu(tmp_path):
+    """benchmarks/gpu_validate.py end to end on the CPU (its dry run): every stage of a case
+    runs, a bad case is reported in the table and does not stop the others."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = {**__import__("os").environ, "FLEXFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--device", "cpu",
+                        "--cases", "gpt2:nosuchsize:32-true,llama:small:bf16-mixed:4:16:rc",
+                        "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "gpu_validate-cpu.md").read_text()
+    assert "gpt2 nosuchsize 32-true, case: `ValueError: unknown size 'nosuchsize'" in md
+    row = json.loads((tmp_path / "gpu_validate-cpu.json").read_text())["rows"][1]
+    assert row["errors"] == {} and row["recompute"] and row["batch"] == 4
+    for k in ("analytic", "profiled", "flexflow", "plain"):
+        assert row[k]["step_ms"] > 0, k
+    assert row["profile"]["measured"] > 0 and {x["rule"] for x in row["rules"]} >= {"linear", "attention"}
+    assert (tmp_path / "profile-cpu.json").exists()
