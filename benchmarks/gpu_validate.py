@@ -325,6 +325,8 @@ def main(argv=None) -> int:
                    help="copy the measured profile to flexflow/data/profile-<KIND>.json")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("gpu_validate: no CUDA device here (torch.cuda.is_available() is False); run it on a host "
               "with an NVIDIA GPU and a CUDA build of torch, or give --device cpu for a dry run", file=sys.stderr)
