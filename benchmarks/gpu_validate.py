@@ -236,6 +236,41 @@ def run_case(case: dict, dev: torch.device, machine, steps: int, warmup: int, pr
     return row
 
 
+def autocast_table(dev: torch.device) -> dict:
+    """kind -> {"torch": the dtype torch's autocast (bfloat16) gives the op on ``dev`` for
+    bfloat16 inputs, "model": the one flexflow's precision model prices it in}."""
+    import torch.nn.functional as F
+
+    from flexflow.cost.precision import CUDA_FLOAT32_KINDS, precision
+    x = torch.randn(8, 16, device=dev).to(torch.bfloat16)
+    w = torch.randn(16, 16, device=dev)
+    img = torch.randn(2, 4, 3, 3, device=dev).to(torch.bfloat16)
+    tgt = torch.zeros(8, dtype=torch.long, device=dev)
+    probes = {
+        "softmax": lambda: torch.softmax(x, -1), "log_softmax": lambda: F.log_softmax(x, -1),
+        "layer_norm": lambda: F.layer_norm(x, (16,)), "group_norm": lambda: F.group_norm(img, 2),
+        "rms_norm": lambda: F.rms_norm(x, (16,)), "exp": lambda: x.exp(), "log": lambda: x.abs().log(),
+        "pow": lambda: x.pow(2), "rsqrt": lambda: x.abs().rsqrt(), "sum": lambda: x.sum(-1),
+        "mean": lambda: x.mean(-1), "cumsum": lambda: x.cumsum(-1), "softplus": lambda: F.softplus(x),
+        "logsumexp": lambda: x.logsumexp(-1), "gelu": lambda: F.gelu(x), "silu": lambda: F.silu(x),
+        "relu": lambda: F.relu(x), "tanh": lambda: x.tanh(), "mul": lambda: x * x, "add": lambda: x + x,
+        "masked_fill": lambda: x.masked_fill(x > 0, 0.0), "linear": lambda: F.linear(x, w),
+        "matmul": lambda: x @ w.to(torch.bfloat16), "cross_entropy": lambda: F.cross_entropy(x, tgt),
+        "batch_norm": lambda: F.batch_norm(img, None, None, training=True),
+        "max_pool2d": lambda: F.max_pool2d(img, 2)}
+    cuda = precision("bf16-mixed", dev).autocast == "cuda"
+    out = {}
+    for kind, fn in probes.items():
+        try:
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                got = str(fn().dtype).removeprefix("torch.")
+        except Exception as e:  # noqa: BLE001 - an op this torch lacks
+            got = f"error: {type(e).__name__}"
+        f32 = kind == "cross_entropy" or (cuda and kind in CUDA_FLOAT32_KINDS)  # (the loss rule)
+        out[kind] = {"torch": got, "model": "float32" if f32 else "bfloat16"}
+    return out
+
+
 def _fmt_gb(b):
     return "-" if not b else f"{b / 2**30:.2f}"
 
@@ -299,6 +334,12 @@ def write(out: Path, kind: str, meta: dict, rows: list):
                      f"{_ms(r.get('flexflow'), 'x')} | "
                      + (f"{r['overhead_pct']:+.1f}%" if "overhead_pct" in r else "-") + " | "
                      + (f"{pr['seconds']:.1f} ({pr['measured']})" if pr else "-") + " |")
+    if meta.get("autocast"):
+        bad = {k: v for k, v in meta["autocast"].items() if v["torch"] != v["model"]}
+        lines += ["", f"Autocast (bfloat16) on this device, {len(meta['autocast'])} op kinds probed: "
+                      + ("the precision model prices every one in torch's dtype." if not bad else
+                         "the precision model differs on " + ", ".join(
+                             f"{k} (torch {v['torch']}, model {v['model']})" for k, v in bad.items()) + ".")]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -348,6 +389,10 @@ def main(argv=None) -> int:
             "device": f"{device_name(dev)} ({machine.spec.kind} spec)", "torch": torch.__version__,
             "backend": backend, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine.name}
+    try:
+        meta["autocast"] = autocast_table(dev)
+    except Exception as e:  # noqa: BLE001 - reported, the cases run
+        meta["autocast_error"] = f"{type(e).__name__}: {e}"
     rows = []
     for case in cases:
         spent = time.perf_counter() - t_start

@@ -462,6 +462,50 @@ class _ScriptedTimer:
     def stop(self, t0):
         return next(self.values)
 
+    def flush(self):
+        pass
+
+    @staticmethod
+    def read(t):
+        return t
+
+
+class _PendingTimer:
+    """A GPU-like timer: ``stop`` gives a pending time, readable only after a ``flush``
+    that came later (the device's queue drained); the times are 1 ms each."""
+
+    def __init__(self, dev=None):
+        self.flushes, self.stops = 0, 0
+
+    def start(self):
+        return None
+
+    def stop(self, t0):
+        self.stops += 1
+        return ("pending", self.flushes)
+
+    def flush(self):
+        self.flushes += 1
+
+    def read(self, t):
+        if isinstance(t, tuple):
+            assert t[1] < self.flushes, "a pending time read before the device was waited for"
+            return 1e-3
+        return t
+
+
+def test_gpu_times_are_read_once_per_round_after_the_device_is_waited_for(monkeypatch):
+    """On a GPU no op waits for the one before (each op's time is what it adds to a stream of
+    ops): the profiler waits once per round, then reads the round's times."""
+    timers = []
+    monkeypatch.setattr(prof, "_Timer", lambda dev: timers.append(_PendingTimer()) or timers[-1])
+    g = _small("lenet")
+    items = [(op, _whole(op)) for op in g.compute_ops[:3]]
+    got = prof.profile_partitions(items, "cpu", repeats=3, warmup=1)
+    assert all(f == pytest.approx(1e-3) and n == 3 for f, _, n in got)
+    t = timers[0]
+    assert 2 <= t.flushes < t.stops  # one wait per round, not per op
+
 
 def test_engine_call_cost_is_the_one_node_backward_less_a_node():
     """The engine call's fixed cost: the median one-node backward less the cost per node

@@ -25,6 +25,7 @@ them (``cross_entropy``, ``log_softmax``, ``mse_loss`` are on its float32 list).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -32,8 +33,8 @@ import torch
 
 from ..graph.ir import Op
 
-__all__ = ["Precision", "PRECISIONS", "gathers_in_compute", "precision", "priced_op", "priced_ops",
-           "priced_cost_model"]
+__all__ = ["Precision", "PRECISIONS", "CUDA_FLOAT32_KINDS", "autocast_device", "gathers_in_compute",
+           "precision", "priced_op", "priced_ops", "priced_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,13 @@ class Precision:
     reduce: torch.dtype | None
     gather: torch.dtype | None
     state: torch.dtype | None
+    # whose autocast lists apply under *-mixed: "cpu" or "cuda" (which runs more ops in float32)
+    autocast: str = "cpu"
+
+    @property
+    def key(self) -> str:
+        """The name, and the autocast device where it is not the CPU (cached views' key)."""
+        return self.name if self.autocast == "cpu" else f"{self.name}@{self.autocast}"
 
     @property
     def native(self) -> bool:
@@ -79,17 +87,38 @@ PRECISIONS = {
 }
 # rules autocast runs in float32 (its "autocast to float32" list: the losses)
 _FLOAT32_RULES = frozenset({"loss", "pointwise_loss"})
+# op kinds CUDA's autocast also runs in float32 (whatever their inputs), where the CPU's runs
+# them in their inputs' dtype: its float32 list (normalizations, exp / log / pow, softmax and
+# reductions); checked on a GPU by benchmarks/gpu_validate.py (its "autocast" table)
+CUDA_FLOAT32_KINDS = frozenset({
+    "softmax", "log_softmax", "layer_norm", "group_norm", "exp", "expm1", "log", "log1p", "log2",
+    "log10", "pow", "rsqrt", "reciprocal", "sum", "cumsum", "cumprod", "prod", "norm", "softplus",
+    "logsumexp", "erfinv", "acos", "asin", "cosh", "sinh", "tan", "cosine_similarity"})
 
 
-def precision(name) -> Precision:
-    """The :class:`Precision` of a name (a :class:`Precision` passes through); a
-    ``ValueError`` listing the valid names for anything else."""
+def autocast_device(where) -> str:
+    """"cuda" or "cpu": whose autocast a run on ``where`` (a Machine, a torch.device or its
+    name, None for the CPU) gets; a machine of NCCL devices runs CUDA's."""
+    if where is None:
+        return "cpu"
+    spec = getattr(where, "spec", None)
+    if spec is not None:
+        return "cuda" if getattr(spec, "backend", "gloo") == "nccl" else "cpu"
+    return "cuda" if torch.device(where).type == "cuda" else "cpu"
+
+
+def precision(name, where=None) -> Precision:
+    """The :class:`Precision` of a name (a :class:`Precision` passes through, or is moved to
+    ``where``'s autocast); a ``ValueError`` listing the valid names for anything else.
+    ``where``: the machine or device the run is on (:func:`autocast_device`; default the CPU)."""
     if isinstance(name, Precision):
-        return name
-    p = PRECISIONS.get(name) if isinstance(name, str) else None
-    if p is None:
-        raise ValueError(f"unknown precision {name!r}: expected one of {', '.join(PRECISIONS)}")
-    return p
+        p = name
+    else:
+        p = PRECISIONS.get(name) if isinstance(name, str) else None
+        if p is None:
+            raise ValueError(f"unknown precision {name!r}: expected one of {', '.join(PRECISIONS)}")
+    dev = autocast_device(where) if where is not None else p.autocast
+    return p if dev == p.autocast else dataclasses.replace(p, autocast=dev)
 
 
 def priced_op(op: Op, prec: Precision) -> Op:
@@ -101,12 +130,12 @@ def priced_op(op: Op, prec: Precision) -> Op:
     if prec.native:
         return op
     views = op.__dict__.setdefault("_precision_views", {})
-    v = views.get(prec.name + "@graph") or views.get(prec.name)
+    v = views.get(prec.key + "@graph") or views.get(prec.key)
     if v is None:
         if prec.mixed and op.everywhere:
             to = None  # inputs and constants stay as given; autocast casts them where used
         else:
-            to = _F32 if prec.mixed and op.rule in _FLOAT32_RULES else prec.compute
+            to = _F32 if prec.mixed and _in_float32(op, prec) else prec.compute
         out = _cast(op.dtype, to)
         ins = [_cast(d, to) for d in op.input_dtypes]
         if out == op.dtype and ins == list(op.input_dtypes):
@@ -115,8 +144,13 @@ def priced_op(op: Op, prec: Precision) -> Op:
             v = copy.copy(op)
             v.__dict__ = {k: x for k, x in op.__dict__.items() if k not in ("_cost_key", "_precision_views")}
             v.dtype, v.input_dtypes = out, ins
-        views[prec.name] = v
+        views[prec.key] = v
     return v
+
+
+def _in_float32(op: Op, prec: Precision) -> bool:
+    """Whether autocast runs ``op`` in float32 (its float32 list, the device's)."""
+    return op.rule in _FLOAT32_RULES or (prec.autocast == "cuda" and op.kind in CUDA_FLOAT32_KINDS)
 
 
 # rules autocast runs in its lower dtype (its "lower precision" list: matrix products,
@@ -138,7 +172,8 @@ def gathers_in_compute(prec: Precision, rules) -> bool:
 def _autocast_dtypes(graph, prec: Precision) -> dict:
     """op name -> (output dtype, input dtypes) under ``*-mixed``, as ``torch.autocast``
     computes them: the lowered rules in the compute dtype (their floating inputs cast to
-    it), the losses in float32, normalizations and the recurrent cell in their input's
+    it), the losses in float32 (on CUDA also ``CUDA_FLOAT32_KINDS``), normalizations and
+    the recurrent cell in their input's
     dtype, embeddings in their table's; every other op by type promotion over its floating
     inputs and parameters (a residual sum of a float32 stream and a bfloat16 branch, or a
     product with a float32 weight, is float32).  Inputs and constants keep their dtype."""
@@ -147,7 +182,7 @@ def _autocast_dtypes(graph, prec: Precision) -> dict:
         ins = [out[s][0] if s in out else d for s, d in zip(op.inputs, op.input_dtypes)]
         if op.everywhere or not op.dtype.is_floating_point:
             t = op.dtype
-        elif op.rule in _FLOAT32_RULES:
+        elif _in_float32(op, prec):
             t = _F32
             ins = [_cast(d, _F32) for d in ins]
         elif op.rule in LOWERED_RULES:
@@ -176,9 +211,9 @@ def priced_ops(graph, prec: Precision) -> list:
     res = []
     for op in graph.ops:
         views = op.__dict__.setdefault("_precision_views", {})
-        v = views.get(prec.name + "@graph")
+        v = views.get(prec.key + "@graph")
         if v is None:
-            v = views[prec.name + "@graph"] = _view(op, *dts[op.name])
+            v = views[prec.key + "@graph"] = _view(op, *dts[op.name])
         res.append(v)
     return res
 
@@ -212,8 +247,8 @@ class _PricedCostModel:
 def priced_cost_model(cost_model, name, graph=None):
     """``cost_model`` pricing ops under precision ``name`` (itself under ``32-true``), for
     callers that time ops directly (the OptCNN baseline); with ``graph``, its ops priced
-    as they run in it (:func:`priced_ops`)."""
-    prec = precision(name)
+    as they run in it (:func:`priced_ops`); under the autocast of the cost model's machine."""
+    prec = precision(name, getattr(cost_model, "machine", None))
     if graph is not None and not prec.native:
         priced_ops(graph, prec)
     return cost_model if prec.native or cost_model is None else _PricedCostModel(cost_model, prec)

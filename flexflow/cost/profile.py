@@ -138,27 +138,43 @@ def _tensors(x):
 
 class _Timer:
     """CUDA events on a GPU; on a CPU the calling thread's CPU time when torch runs one
-    thread (time other jobs hold the core is not counted), else wall time."""
+    thread (time other jobs hold the core is not counted), else wall time.
+
+    On a GPU nothing waits between ops: ``stop`` gives a pending time (the two events),
+    read by :meth:`read` once :meth:`flush` has waited for the device.  Timed so, one
+    op's time is what it adds to a stream of ops, as a training step runs them: its
+    kernels' time when the device is the bottleneck (the host launches ahead), its
+    launch time when the host is; waiting before every op would add the host's launch
+    latency to every op instead."""
 
     def __init__(self, dev: torch.device):
         self.cuda = dev.type == "cuda"
+        self.dev = dev
         self.clock = time.thread_time if not self.cuda and torch.get_num_threads() == 1 else time.perf_counter
 
     def start(self):
         if self.cuda:
-            torch.cuda.synchronize()
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
         return self.clock()
 
-    def stop(self, t0) -> float:
+    def stop(self, t0):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            torch.cuda.synchronize()
-            return t0.elapsed_time(ev) / 1e3
+            return t0, ev
         return self.clock() - t0
+
+    def flush(self):
+        """Wait for the device's queued work (a GPU's): every pending time is readable after."""
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    @staticmethod
+    def read(t) -> float:
+        """Seconds of a time ``stop`` gave (after :meth:`flush` for a pending one)."""
+        return t[0].elapsed_time(t[1]) / 1e3 if isinstance(t, tuple) else t
 
 
 def _engine_call_s(dev, timer, runs: int = 31) -> float:
@@ -177,7 +193,8 @@ def _engine_call_s(dev, timer, runs: int = 31) -> float:
             t0 = timer.start()
             torch.autograd.grad([y], [x], [torch.ones_like(y)])
             ts.append(timer.stop(t0))
-        return statistics.median(ts)
+        timer.flush()
+        return statistics.median(timer.read(t) for t in ts)
     grad_of(1)
     one, eleven = grad_of(1), grad_of(11)
     per_node = max(eleven - one, 0.0) / 10
@@ -219,13 +236,14 @@ class _Run:
         self.times: list[tuple[float, float]] = []
         self.warm = 0
 
-    def once(self, timer) -> tuple[float, float]:
+    def once(self, timer) -> tuple:
+        """One forward and backward: their times as ``timer.stop`` gives them."""
         args = [t.clone() if self.clone and t is not None and t.is_floating_point() else t for t in self.ins]
         t0 = timer.start()
         out = self.fn(args, self.params)
         tf = timer.stop(t0)
         outs = [o for o in _tensors(out) if o.requires_grad]
-        tb = 0.0
+        tb = 0.0  # (read as 0 s)
         if outs and self.leaves:
             if self.grads is None:
                 self.grads = [torch.ones_like(o) for o in outs]
@@ -265,19 +283,25 @@ def profile_partitions(items, device="cpu", repeats: int = 5, warmup: int = 1, g
     seq = list(range(len(items))) if order is None else list(order)
     started = None
     while runs:
+        got = []  # (run, forward, backward) of this round, read after it (a GPU's pending times)
         for i in seq:
             r = runs.get(i)
             if r is None:
                 continue
             try:
-                tf, tb = r.once(timer)
+                got.append((r, *r.once(timer)))
             except Exception as e:  # noqa: BLE001 - reported for this item
                 if isinstance(e, RuntimeError) and "in-place" in str(e) and not r.clone:
                     r.clone, r.times, r.warm = True, [], 0
+                    got = [g for g in got if g[0] is not r]
                 else:
                     out[i] = e
                     del runs[i]
+                    got = [g for g in got if g[0] is not r]
                 continue
+        timer.flush()
+        for r, tf, tb in got:
+            tf, tb = timer.read(tf), timer.read(tb)
             if not r.times:
                 r.warm = max(0, warmup) + (1 if warmup and tf + tb < 0.01 else 0)
             r.times.append((tf, tb))
@@ -404,12 +428,12 @@ def profile_graph(graph, device="cpu", strategy=None, configs=None, repeats: int
     ``budget_s``: measure nothing new once this many seconds have passed; the keys
     left are reported with ``skipped`` (``ProfileReport.skipped`` counts them).
     ``precision``: the training precision (:mod:`flexflow.cost.precision`) whose ops are
-    timed: under "bf16-mixed" each op runs in the dtypes autocast gives it, under the keys
+    timed: under "bf16-mixed" each op runs in the dtypes autocast gives it on ``device``, under the keys
     a simulator of that precision looks up; "32-true", the graph's own dtypes."""
     from .precision import precision as _precision, priced_ops
     t_start = time.perf_counter()
-    priced = dict(zip((o.name for o in graph.ops), priced_ops(graph, _precision(precision))))
     dev = _torch_device(device)
+    priced = dict(zip((o.name for o in graph.ops), priced_ops(graph, _precision(precision, dev))))
     name = device_name(dev)
     if db is None:
         db = ProfileDB.load(name, profile_dir=profile_dir, device_kind=device_kind_of(dev))

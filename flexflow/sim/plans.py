@@ -87,7 +87,7 @@ class Context(ParamPlanning):
         if sync not in SYNC_MODELS:
             raise ValueError(f"unknown sync model {sync!r}: expected one of {', '.join(SYNC_MODELS)}")
         self.optimizer, self.sync = optimizer, sync
-        self.precision = _precision(precision)
+        self.precision = _precision(precision, machine)  # the machine's autocast
         self.optimizer_copies = optimizer_state_copies(optimizer)
         self.comm_on_cores = bool(machine.spec.comm_on_cores)
         # a message's latency that holds no core (comm_on_cores): the transfer task holds its
