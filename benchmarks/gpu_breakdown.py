@@ -32,7 +32,7 @@ DEFAULT = "llama:1b:bf16-mixed:4:2048,gpt2:124m:bf16-mixed:16:1024,resnet101:pap
 
 def _sync(dev):
     if dev.type == "cuda":
-        _sync(dev)
+        torch.cuda.synchronize(dev)
 
 
 def _phases(module, inputs, opt, autocast, dev, n: int) -> dict:
