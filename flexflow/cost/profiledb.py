@@ -21,8 +21,9 @@ from ..hardware.specs import GPU_SPECS
 __all__ = ["ProfileDB", "device_kind_of", "device_name", "profiles_dir", "package_profile_path", "key_str",
            "FORMAT", "VERSION"]
 
-FORMAT, VERSION = "flexflow-profile", 3
-# a file of another version is measured again
+FORMAT, VERSION = "flexflow-profile", 4
+# a file of another version is measured again (4: losses over a middle class dim timed as the
+# executor now runs them, class dim last)
 # profiles shipped with the package (flexflow/data/profile-<kind>.json), for device kinds that
 # are not on the planning host; a file put there must be listed as package data in pyproject.toml
 _PKG_DATA = Path(__file__).resolve().parent.parent / "data"
