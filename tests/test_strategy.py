@@ -312,3 +312,48 @@ def test_random_near_a_base_redraws_a_fraction_of_the_ops():
     assert half.name == "random3@0.5"
     with pytest.raises(StrategyError, match="fraction"):
         Strategy.random(g, P100_4, 3, base=dp, fraction=1.5)
+
+
+class _SeqLoss(nn.Module):
+    """Token logits (B, T, V) scored with the class dim moved to place 1, as LM code writes it."""
+
+    def __init__(self, reduction, fn="ce"):
+        super().__init__()
+        self.proj, self.reduction, self.fn = nn.Linear(6, 5), reduction, fn
+
+    def forward(self, x, t):
+        logits = self.proj(x).transpose(1, 2)
+        if self.fn == "nll":
+            return F.nll_loss(F.log_softmax(logits, 1), t, reduction=self.reduction, ignore_index=3)
+        return F.cross_entropy(logits, t, reduction=self.reduction, ignore_index=3)
+
+
+@pytest.mark.parametrize("reduction,fn", [("mean", "ce"), ("sum", "ce"), ("none", "ce"), ("mean", "nll")])
+def test_a_loss_over_a_middle_class_dim_runs_class_last_with_the_same_values(reduction, fn):
+    """The executor computes cross-entropy / NLL of (B, C, T) over (B*T, C) rows (torch's
+    softmax over a middle dim is the slow one): the module's values, whole
+    and split along samples and positions, with ignored targets in a 'sum' or 'none'."""
+    from flexflow.graph.ops import RULES
+    torch.manual_seed(0)
+    module = _SeqLoss(reduction, fn)
+    x, t = torch.randn(4, 7, 6), torch.randint(0, 5, (4, 7))
+    if reduction != "mean":
+        t[0, :3] = 3  # ignore_index (a split 'mean' assumes none, README: Limitations)
+    graph = ff.trace(module, (x, t))
+    loss = next(op for op in graph.ops if op.rule == "loss")
+    assert loss.input_shapes[0] == (4, 5, 7)
+    ref = module(x, t)
+    xin = module.proj(x).transpose(1, 2)
+    if fn == "nll":
+        xin = F.log_softmax(xin, 1)
+    seen = []
+    orig = F.cross_entropy if fn == "ce" else F.nll_loss
+    spy = (lambda *a, **k: seen.append(a[0].dim()) or orig(*a, **k))
+    with pytest.MonkeyPatch.context() as mp:  # (torch.nn.functional's, while the rule runs)
+        mp.setattr(F, "cross_entropy" if fn == "ce" else "nll_loss", spy)
+        got = RULES["loss"].bind(loss, {})([xin, t], {})
+    torch.testing.assert_close(got, ref)
+    assert seen == [2]  # class dim last, rows
+    machine = ff.Machine.preset("cpu", devices=4)
+    for seed in range(4):
+        torch.testing.assert_close(run_graph(graph, module, (x, t), ff.Strategy.random(graph, machine, seed)), ref)
