@@ -265,7 +265,11 @@ _BEFORE = {
 }
 
 
-def test_32_true_is_what_the_simulator_gave_before():
+def test_32_true_is_what_the_simulator_gave_before(monkeypatch):
+    from flexflow.sim.memory import UPDATE_TRAFFIC
+    # (changed on purpose since: Adam's update moves 18 bytes per parameter byte, torch's passes,
+    # where it was priced at 3 + 2 x its 2 state copies; the rest is pinned at the old figure)
+    monkeypatch.setitem(UPDATE_TRAFFIC, "adam", 7)
     mach = ff.Machine.preset("p100-cluster", devices=4)
     built = {}
     for (name, size, strategy), want in _BEFORE.items():

@@ -77,10 +77,17 @@ from .rcmem import RecomputeEvents
 from .saves import _saves
 from .unitmem import UnitEvents
 
-__all__ = ["OPTIMIZERS", "optimizer_state_copies", "Liveness"]
+__all__ = ["OPTIMIZERS", "UPDATE_TRAFFIC", "optimizer_state_copies", "Liveness"]
 
 # optimizer kind -> optimizer-state copies per trainable parameter
 OPTIMIZERS = {"sgd": 0, "momentum": 1, "adam": 2}
+# optimizer kind -> bytes torch's update moves per byte of trainable parameter: its passes
+# over parameter-sized tensors, each read and written (the same passes in its foreach and
+# single-tensor kernels).  SGD: p.add_(g), 3.  Momentum: b.mul_(m), b.add_(g), p.add_(b), 8.
+# Adam: m.lerp_(g), v.mul_(b2), v.addcmul_(g, g), s = v.sqrt(), s.div_(c2), s.add_(eps),
+# p.addcdiv_(m, s), 18 (on an H200, 26.2 ms for LLaMA-1B's 1.24 G parameters: 22 bytes per
+# byte at the datasheet's bandwidth, benchmarks/results/gpu_breakdown-H200.md).
+UPDATE_TRAFFIC = {"sgd": 3, "momentum": 8, "adam": 18}
 
 VIEWS = frozenset({"flatten", "view", "reshape", "transpose", "permute", "getitem", "squeeze",
                    "unsqueeze", "expand", "unflatten", "narrow", "select"})

@@ -12,6 +12,7 @@ from ..cost.precision import gathers_in_compute
 from ..graph.ir import dtype_bytes
 from ..graph.ops.base import region_numel
 from ..strategy.regions import param_placement
+from .memory import UPDATE_TRAFFIC
 from .taskkeys import PS, SYNC, _prio, _ps
 
 __all__ = ["ParamPlanning"]
@@ -80,6 +81,7 @@ class ParamPlanning:
         if cp is not None:
             return cp
         m, D, oc, ops, prec = self.machine, self.D, self.optimizer_copies, self.ops, self.precision
+        traffic = UPDATE_TRAFFIC[self.optimizer]  # bytes the update moves per parameter byte
         cfgs = {ops[o].name: cfg[o] for o in us}
         level = max(cfg[o].shard for o in us)  # shard level (ZeRO stage) of the cluster's replicas
         place = param_placement(_SubGraph([ops[o] for o in us]), cfgs)
@@ -203,7 +205,7 @@ class ParamPlanning:
                     cp.kept[d] += reduced
                     cp.ar_grad[d] += grad
                 s = m.devices[d].spec
-                upd_s[d] = upd_s.get(d, 0.0) + (3 + 2 * oc) * upd / s.mem_bw_Bps + s.launch_overhead_s
+                upd_s[d] = upd_s.get(d, 0.0) + traffic * upd / s.mem_bw_Bps + s.launch_overhead_s
                 if sync < 0:
                     upd_bdep.add(d)
                 elif sync not in upd_syncs.get(d, ()):

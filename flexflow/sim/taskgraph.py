@@ -24,7 +24,7 @@ Tasks (the paper's task graph, section 5):
   3 another before their backward tasks, after their forward.  The sync task then keeps the
   reduce-scatter.
 - ``update``: per unit and device, the optimizer update of the trainable shards whose
-  parameters the unit uses first (memory bound: (3 + 2 x optimizer copies) x bytes / memory
+  parameters the unit uses first (memory bound: the optimizer's ``UPDATE_TRAFFIC`` x bytes / memory
   bandwidth + one launch per shard), after their syncs (or their last backward when unsynced).
 
 Memory: every op and parameter cluster adds allocation/free events to ``MEMDIFF`` (positions x
