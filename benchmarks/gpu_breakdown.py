@@ -25,18 +25,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from gpu_validate import _AUTOCAST, parse_cases  # noqa: E402
+from gpu_validate import _AUTOCAST, _steps, _sync, parse_cases  # noqa: E402
 
 DEFAULT = "llama:1b:bf16-mixed:4:2048,gpt2:124m:bf16-mixed:16:1024,resnet101:paper:bf16-mixed"
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _phases(module, inputs, opt, autocast, dev, n: int) -> dict:
-    f, b, o, w = [], [], [], []
+    f, b, o = [], [], []
     for _ in range(n):
         _sync(dev)
         t0 = time.perf_counter()
@@ -50,20 +45,10 @@ def _phases(module, inputs, opt, autocast, dev, n: int) -> dict:
         t2 = time.perf_counter()
         opt.step()
         _sync(dev)
-        t3 = time.perf_counter()
         f.append(t1 - t0)
         b.append(t2 - t1)
-        o.append(t3 - t2)
-    for _ in range(n):  # whole steps, nothing waited for inside
-        _sync(dev)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            loss = module(*inputs)
-        loss.backward()
-        opt.step()
-        _sync(dev)
-        w.append(time.perf_counter() - t0)
+        o.append(time.perf_counter() - t2)
+    w = _steps(module, inputs, opt, n, dev, autocast)  # whole steps, nothing waited for inside
     med = statistics.median
     return {"forward_ms": 1e3 * med(f), "backward_ms": 1e3 * med(b), "optimizer_ms": 1e3 * med(o),
             "step_ms": 1e3 * med(w)}
@@ -71,18 +56,9 @@ def _phases(module, inputs, opt, autocast, dev, n: int) -> dict:
 
 def _kernels(module, inputs, opt, autocast, dev, steps: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    _sync(dev)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            with autocast():
-                loss = module(*inputs)
-            loss.backward()
-            opt.step()
-        _sync(dev)
-        wall = time.perf_counter() - t0
+        wall = sum(_steps(module, inputs, opt, steps, dev, autocast))
     by = {}  # kernel (and device copy / fill) name -> microseconds on the device
     for k in prof.key_averages():
         if str(getattr(k, "device_type", "")).endswith("CUDA"):
