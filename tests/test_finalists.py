@@ -128,6 +128,26 @@ def test_corrections_are_stored_per_machine_and_graph(mlp, recwarn):
     assert load_corrections(machine, fp).identity and "afresh" in str(recwarn.pop().message)  # learnt biased
     save_corrections(machine, fp, c)  # replaces it
     assert load_corrections(machine, fp).factors() == c.factors()
+    d = json.loads(path.read_text())
+    d["profile_version"] -= 1  # learnt against op profiles of an older format: measured again
+    path.write_text(json.dumps(d))
+    assert load_corrections(machine, fp).identity and "afresh" in str(recwarn.pop().message)
+
+
+def test_a_factor_held_at_its_edge_leaves_the_step_to_the_others():
+    """At the bottom of its range, a factor the step would lower further is held there; the
+    other two are solved without it (a step counting on the clamped one moves nothing)."""
+    import numpy as np
+
+    from flexflow.finalists.fit import _bounded_step
+    a = np.array([[2.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 2.0]])
+    b = np.array([0.5, 0.2, -1.0])
+    free = _bounded_step(a, b, {"compute": 1.0, "message": 1.0, "sync": 1.0})
+    np.testing.assert_allclose(a @ free, b)  # nothing at an edge: the plain step
+    assert free[2] < 0  # it lowers sync
+    held = _bounded_step(a, b, {"compute": 1.0, "message": 1.0, "sync": 0.2})
+    assert held[2] == 0.0 and held[0] == pytest.approx(0.25) and held[1] == pytest.approx(0.2)
+    assert _bounded_step(a, -b, {"compute": 1.0, "message": 1.0, "sync": 0.2})[2] > 0  # inwards: free
 
 
 def _finalists_measured_by(graph, machine, truth: Corrections, used: Corrections) -> list:

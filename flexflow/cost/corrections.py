@@ -13,7 +13,9 @@ They are relative to the host's own cost model (:meth:`CostModel.for_machine`, t
 profiled op times) and to the machine's figures (the calibrated links), and are kept per
 machine (its fingerprint: a new calibration starts afresh) and per graph (its fingerprint:
 what a model's steps teach says little about another's, whose messages and collectives
-are of other sizes), in the profile cache: ``profiles/corrections/<machine>.json``.
+are of other sizes), in the profile cache: ``profiles/corrections/<machine>.json``, and
+per op-profile format (a file learnt against profiles of another format, which are
+measured again, starts afresh: the executor or the timing changed under them).
 :func:`load_corrections` reads them; :meth:`Corrections.machine` and
 :meth:`Corrections.cost_model` apply them; the fit that makes them from measured
 finalists is :func:`flexflow.finalists.fit.fit_corrections`.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .model import CostModel
+from .profiledb import VERSION as PROFILE_VERSION
 from .profiledb import _locked, profiles_dir  # (one lock file per database file)
 
 __all__ = [
@@ -170,6 +173,9 @@ def _read(path: Path) -> dict:
             raise ValueError(f"format version {d['version']}: {_STALE[d['version']]}")
         if d.get("version") != VERSION:
             raise ValueError(f"format version {d.get('version')!r}, this flexflow reads {VERSION}")
+        if d.get("profile_version", PROFILE_VERSION - 1) != PROFILE_VERSION:
+            raise ValueError(f"learnt against op profiles of format {d.get('profile_version', '3 or older')}, "
+                             f"which this flexflow measures again (format {PROFILE_VERSION}); starting afresh")
         if not isinstance(d.get("graphs"), dict):
             raise TypeError("no \"graphs\" object")
         return d["graphs"]
@@ -202,7 +208,8 @@ def save_corrections(machine, graph_fingerprint: str, corrections: Corrections, 
     with _locked(path):
         graphs = _read(path) if path.exists() else {}
         graphs[graph_fingerprint] = corrections.to_dict()
-        text = json.dumps({"format": FORMAT, "version": VERSION, "machine": machine.name,
+        text = json.dumps({"format": FORMAT, "version": VERSION, "profile_version": PROFILE_VERSION,
+                           "machine": machine.name,
                            "device_kind": machine.spec.kind, "num_devices": machine.num_devices,
                            "graphs": graphs}, indent=1)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)

@@ -7,7 +7,8 @@ The fit is a regularised least squares on log step times, relative to the correc
 search used: minimise ``sum_i (log predicted_i - log measured_i)^2 + REG * |x|^2`` over
 ``x`` = the logs of the three further factors (compute, message, sync), by a few
 Gauss-Newton steps with the Jacobian taken by finite differences (each point a simulation
-of every measured finalist; a factor at the edge of its range is differentiated inwards).
+of every measured finalist; a factor at the edge of its range is differentiated inwards,
+and held there when the step would push it out: :func:`_bounded_step`).
 The regularisation keeps a factor the finalists say nothing about (no message in any of
 them) where it was.
 
@@ -84,6 +85,27 @@ def _points(graph, done: list[Finalist], history: list) -> tuple[list, list, np.
             np.array([len(logs[k]) for k in keys], float))
 
 
+def _bounded_step(a: np.ndarray, b: np.ndarray, now: dict) -> np.ndarray:
+    """The Gauss-Newton step ``a @ step = b`` in the log factors, with a factor at the edge of
+    its range that the step would push further out held there (and the others solved
+    without it): a clamped factor does not move, so a step that counts on it moving is no
+    step at all."""
+    lo, hi = FACTOR_RANGE
+    free = np.ones(len(b), bool)
+    step = np.zeros(len(b))
+    for _ in range(len(b)):
+        idx = np.flatnonzero(free)
+        step[:] = 0.0
+        if len(idx):
+            step[idx] = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+        out = [j for j, k in enumerate(("compute", "message", "sync")) if free[j] and (
+            (now[k] <= lo * (1 + 1e-9) and step[j] < 0) or (now[k] >= hi * (1 - 1e-9) and step[j] > 0))]
+        if not out:
+            break
+        free[out] = False
+    return step
+
+
 def fit_corrections(graph, machine, cost_model, current: Corrections, finalists: list[Finalist], *,
                     optimizer: str = "sgd", reduce_outputs: str = "with_gradients", precision: str = "32-true",
                     seconds: float = math.inf) -> tuple[Corrections, dict]:
@@ -126,7 +148,7 @@ def fit_corrections(graph, machine, cost_model, current: Corrections, finalists:
             e[j] = h
             jac[:, j] = (np.log(predict(x + e)) - np.log(p)) / h
         wj = jac * weight[:, None]
-        step = np.linalg.solve(wj.T @ jac + REG * np.eye(3), -(wj.T @ r + REG * x))
+        step = _bounded_step(wj.T @ jac + REG * np.eye(3), -(wj.T @ r + REG * x), now)
         for _ in range(3):  # the step, or shorter ones while it does not help
             cand = np.clip(x + step, lo, hi)
             q = predict(cand)
