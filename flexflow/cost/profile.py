@@ -243,7 +243,7 @@ class _Run:
         out = self.fn(args, self.params)
         tf = timer.stop(t0)
         outs = [o for o in _tensors(out) if o.requires_grad]
-        tb = 0.0  # (read as 0 s)
+        tb = 0.0
         if outs and self.leaves:
             if self.grads is None:
                 self.grads = [torch.ones_like(o) for o in outs]
