@@ -55,6 +55,15 @@ class Dim:
     kind: str  # "sample" | "attribute" | "parameter"
     axis: int | None  # output axis, None for a reduction dim
     size: int  # extent along the dim
+    # blocks start and stop at multiples of ``unit``: a dim that merges a batch of B with
+    # the dims after it ((B*T) rows, unit T) splits into at most B blocks, each the rows of
+    # whole samples, so that its blocks are the batch's blocks
+    unit: int = 1
+
+    @property
+    def blocks(self) -> int:
+        """The most blocks the dim splits into (its size in units)."""
+        return self.size // self.unit
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,14 @@ class Op:
         return True if self.input_grads is None else bool(self.input_grads[i])
 
     @property
+    def sample_dim(self) -> Dim | None:
+        """The dim that splits the batch (kind ``sample``), or None."""
+        for d in self.dims:
+            if d.kind == "sample":
+                return d
+        return None
+
+    @property
     def parallel_dims(self) -> dict[str, str]:
         """dim name -> SOAP kind, for the dims this op can split."""
         return {d.name: d.kind for d in self.dims}
@@ -163,6 +180,8 @@ class OpGraph:
         self.module = module
         self.batch_size = batch_size
         self.opaque = list(opaque or [])
+        # op name -> why it runs whole though the batch reaches it (graph.batchflow)
+        self.whole_reasons: dict[str, str] = {}
         self.consumers: dict[str, list[str]] = {op.name: [] for op in self.ops}
         for op in self.ops:
             for src in op.inputs:

@@ -21,6 +21,7 @@ _ORIG_GETATTR = torch.nn.Module.__getattr__
 _ORIG_CALL = torch.nn.Module.__call__
 
 from .. import settings
+from .batchflow import settle_batch
 from .ir import Op, OpGraph
 from .ops import RULES
 from .ops.catalog import build_op
@@ -150,13 +151,17 @@ def _fetch_attr(root, target: str):
 
 
 def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
-          frontend: str | None = None) -> OpGraph:
+          frontend: str | None = None, batch_dim=None) -> OpGraph:
     """Trace ``module(*example_inputs, **example_kwargs)`` into an :class:`OpGraph`.
 
     ``frontend`` (default ``$FLEXFLOW_FRONTEND`` or ``"auto"``): ``"fx"`` is the
     shape-aware symbolic tracer, ``"export"`` torch.export's training IR
     (:mod:`flexflow.graph.capture`); ``"auto"`` tries fx on positional-only calls and
     falls back to export when fx cannot trace the model.
+
+    ``batch_dim``: which dim of each tensor input is the batch (an int for every input,
+    or one per input, None for an input without one); default: inferred from the graph
+    (:mod:`flexflow.graph.batchflow`), dim 0 where nothing says otherwise.
     """
     if example_inputs is None:
         if not example_kwargs:
@@ -184,16 +189,16 @@ def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
         delattr(module, k)
     try:
         if frontend == "export" or example_kwargs:
-            return _trace_export(module, tuple(example_inputs), example_kwargs or {})
+            return _trace_export(module, tuple(example_inputs), example_kwargs or {}, batch_dim)
         try:
-            return _trace(module, tuple(example_inputs))
+            return _trace(module, tuple(example_inputs), batch_dim)
         except Exception as fx_error:  # noqa: BLE001 - the export front end gets its turn
             if frontend == "fx":
                 raise
             for k in [k for k in vars(module) if k.startswith(prefixes)]:
                 delattr(module, k)
             try:
-                return _trace_export(module, tuple(example_inputs), {})
+                return _trace_export(module, tuple(example_inputs), {}, batch_dim)
             except TraceError as e:
                 raise TraceError(f"{e} (the fx tracer failed too: {str(fx_error).splitlines()[0]})") from e
     finally:
@@ -205,7 +210,7 @@ def trace(module: torch.nn.Module, example_inputs, example_kwargs=None, *,
                 setattr(module, k, v)
 
 
-def _trace(module: torch.nn.Module, example_inputs: tuple) -> OpGraph:
+def _trace(module: torch.nn.Module, example_inputs: tuple, batch_dim=None) -> OpGraph:
     tracer = _Tracer(module, example_inputs)
     name = type(module).__name__
     try:
@@ -221,17 +226,17 @@ def _trace(module: torch.nn.Module, example_inputs: tuple) -> OpGraph:
             "fine. Move data-dependent code out of forward(), or wrap it in a leaf module "
             "(it then runs as one opaque op)."
         ) from e
-    return _build_graph(module, g, example_inputs)
+    return _build_graph(module, g, example_inputs, batch_dim)
 
 
-def _trace_export(module: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+def _trace_export(module: torch.nn.Module, args: tuple, kwargs: dict, batch_dim=None) -> OpGraph:
     from .capture import export_graph
     name = type(module).__name__
     try:
         g, tensors, out_spec, call_spec = export_graph(module, args, kwargs)
     except Exception as e:  # noqa: BLE001 - any capture failure gets one clear error
         raise TraceError(_export_error(name, e)) from e
-    graph = _build_graph(module, g, tuple(tensors))
+    graph = _build_graph(module, g, tuple(tensors), batch_dim)
     names = list(graph.outputs) if isinstance(graph.outputs, (tuple, list)) else [graph.outputs]
     graph.outputs = pytree.tree_unflatten(names, out_spec)
     graph.call_spec = call_spec
@@ -254,7 +259,7 @@ def _export_error(name: str, e: Exception) -> str:
             "dataclasses.")
 
 
-def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
+def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple, batch_dim=None) -> OpGraph:
     param_names = {id(p): n for n, p in root.named_parameters()}
     batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     ops: list[Op] = []
@@ -281,10 +286,15 @@ def _build_graph(root: torch.nn.Module, g: fx.Graph, inputs: tuple) -> OpGraph:
         ops.append(op)
         by_node[node] = op.name
     _propagate_everywhere(ops)
+    settled, whole = settle_batch(ops, root, batch_dim)
+    if settled is not None:
+        batch = settled
     _assign_share_groups(ops)
     everywhere = {op.name for op in ops if op.everywhere}
     opaque = [name for name in opaque if name not in everywhere]
-    return OpGraph(ops, outputs, module=root, batch_size=batch, opaque=opaque)
+    graph = OpGraph(ops, outputs, module=root, batch_size=batch, opaque=opaque)
+    graph.whole_reasons = whole
+    return graph
 
 
 def _counts_batches(root, node: fx.Node) -> bool:

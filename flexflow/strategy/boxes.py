@@ -90,7 +90,7 @@ class _Sweep:
     def __init__(self, op: Op, rule, lay: _Layout, d, k):
         self.ok = True
         rows, pres = [], []
-        for a, b in block_ranges(d.size, k):
+        for a, b in block_ranges(d.size, k, d.unit):
             block = {d.name: (a, b)}
             ins, ps = rule.regions(op, block)
             if len(ins) != lay.n_in or list(ps) != lay.names:

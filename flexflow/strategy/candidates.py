@@ -32,12 +32,12 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
         return cache[D]
     # the configs depend only on the dims' names and sizes and whether a sample dim
     # exists: ops alike (every unrolled step of a layer) share one list
-    shared = (tuple((d.name, d.size) for d in op.dims), op.parallel_dims.get("n") != "sample", D)
+    shared = (tuple((d.name, d.size, d.unit) for d in op.dims), op.sample_dim is None, D)
     hit = _CANDIDATES.get(shared)
     if hit is not None:
         cache[D] = hit
         return hit
-    per_dim = [[(d.name, k) for k in _pow2_upto(min(d.size, D))] for d in op.dims if searched(d)]
+    per_dim = [[(d.name, k) for k in _pow2_upto(min(d.blocks, D))] for d in op.dims if searched(d)]
     out = []
     for combo in itertools.product(*per_dim):
         p = math.prod(k for _, k in combo)
@@ -46,7 +46,7 @@ def candidate_configs(op: Op, machine) -> list[ParallelConfig]:
         degs = {n: k for n, k in combo if k > 1}
         for start in range(0, D - p + 1, p):
             out.append(ParallelConfig(degs, range(start, start + p)))
-    if op.parallel_dims.get("n") != "sample":  # no batch to split: replicas instead
+    if op.sample_dim is None:  # no batch to split: replicas instead
         for p in _pow2_upto(D)[1:]:
             for start in range(0, D - p + 1, p):
                 out.append(ParallelConfig({REPLICA: p}, range(start, start + p)))

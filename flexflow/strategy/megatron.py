@@ -182,7 +182,7 @@ def _config(op: Op, want: dict[str, int], tp: int, batch: int | None) -> Paralle
     if "n" not in dims and first is not None and first.name == "d0" and first.axis == 0 and first.size == batch:
         want = {("d0" if k == "n" else k): v for k, v in want.items()}  # a batch axis not named so
     want = {k: v for k, v in want.items() if v > 1}
-    if any(k not in dims or dims[k].size < v for k, v in want.items()):
+    if any(k not in dims or dims[k].blocks < v for k, v in want.items()):
         return None
     order = [d.name for d in op.dims if d.name in want]
     devices = []

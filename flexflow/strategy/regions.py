@@ -51,9 +51,10 @@ def validate_config(op: Op, config: ParallelConfig, num_devices: int | None = No
         if name not in dims:
             raise StrategyError(f"{op.describe()}: cannot split dim {name!r}; its parallel dims are "
                                 f"{list(dims) or 'none (it runs whole on one device)'}")
-        if deg > dims[name].size:
+        if deg > dims[name].blocks:
+            unit = f" in blocks of {dims[name].unit}" if dims[name].unit > 1 else ""
             raise StrategyError(f"{op.describe()}: cannot split dim {name!r} of size "
-                                f"{dims[name].size} into {deg} parts (output shape {op.output_shape})")
+                                f"{dims[name].size}{unit} into {deg} parts (output shape {op.output_shape})")
     if num_devices is not None and any(d >= num_devices for d in config.devices):
         raise StrategyError(f"{op.describe()}: config {config} uses device "
                             f"{max(config.devices)} but the machine has {num_devices} devices")
@@ -96,7 +97,7 @@ def partitions(op: Op, config: ParallelConfig) -> list[Partition]:
         cache[config] = parts
         return parts
     split = split_dims(op, config)
-    ranges = [block_ranges(d.size, degs[d.name]) for d in split]
+    ranges = [block_ranges(d.size, degs[d.name], d.unit) for d in split]
     partial = any(d.axis is None for d in split)
     names = [d.name for d in split]
     parts = [_partition(op, rule, config, idx, dict(zip(names, combo)), partial)
@@ -112,9 +113,13 @@ def split_dims(op: Op, config: ParallelConfig) -> list:
     return [d for d in op.dims if degs.get(d.name, 1) > 1]
 
 
-def block_ranges(size: int, k: int) -> list[tuple[int, int]]:
-    """The [start, stop) of each of the ``k`` near-equal blocks of a dim of ``size``."""
-    return [(i * size // k, (i + 1) * size // k) for i in range(k)]
+def block_ranges(size: int, k: int, unit: int = 1) -> list[tuple[int, int]]:
+    """The [start, stop) of each of the ``k`` near-equal blocks of a dim of ``size``
+    (near-equal in whole ``unit``s: see :class:`~flexflow.graph.ir.Dim`)."""
+    if unit == 1:
+        return [(i * size // k, (i + 1) * size // k) for i in range(k)]
+    n = size // unit
+    return [(i * n // k * unit, (i + 1) * n // k * unit) for i in range(k)]
 
 
 def partition_at(op: Op, config: ParallelConfig, index: int, check: bool = True) -> Partition:
@@ -134,7 +139,8 @@ def partition_at(op: Op, config: ParallelConfig, index: int, check: bool = True)
     block = {}
     for d, i in zip(split, reversed(coords)):
         k = degs[d.name]
-        block[d.name] = (i * d.size // k, (i + 1) * d.size // k)
+        n, u = d.size // d.unit, d.unit
+        block[d.name] = (i * n // k * u, (i + 1) * n // k * u)
     return _partition(op, RULES[op.rule], config, index, block, any(d.axis is None for d in split))
 
 

@@ -242,7 +242,7 @@ class Strategy(Mapping):
         for members in graph.groups.values():
             op = graph.op(members[0])
             if op.rule == "linear" and "c" in op.parallel_dims and op.dim("c").size >= 2:
-                k = min(D, op.dim("c").size)
+                k = min(D, op.dim("c").blocks)
                 configs[op.name] = ParallelConfig({"c": k}, range(k))
             else:
                 configs[op.name] = _sample_config(op, D)
@@ -282,7 +282,7 @@ def _constant_fed(graph: OpGraph) -> set[str]:
     (``everywhere`` ops other than the inputs) or such ops themselves."""
     out: set[str] = set()
     for op in graph.compute_ops:
-        if op.parallel_dims.get("n") == "sample" or not op.inputs:
+        if op.sample_dim is not None or not op.inputs:
             continue
         if all((graph.op(i).everywhere and graph.op(i).kind != "input") or i in out for i in op.inputs):
             out.add(op.name)
@@ -290,7 +290,8 @@ def _constant_fed(graph: OpGraph) -> set[str]:
 
 
 def _sample_config(op: Op, D: int) -> ParallelConfig:
-    if "n" in op.parallel_dims and op.parallel_dims["n"] == "sample":
-        k = min(D, op.dim("n").size)
-        return ParallelConfig({"n": k}, range(k))
+    d = op.sample_dim
+    if d is not None:
+        k = min(D, d.blocks)
+        return ParallelConfig({d.name: k}, range(k))
     return ParallelConfig({}, (0,))

@@ -199,7 +199,7 @@ def _tuple_item(b: _Builder, src_op: Op, i: int) -> Op:
         idx = (int(i),) + (slice(None),) * (len(shape) - 1)
         return b.make("getitem", "index", attrs=index_attrs(shape, idx))
     off = src_op.attrs["offsets"][i]
-    return b.make("unpack", "unpack", attrs={"offset": off})
+    return b.make("unpack", "unpack", attrs={"offset": off, "leaf": i})
 
 
 def _multi_output(b: _Builder, name: str, module) -> Op:
@@ -224,7 +224,8 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
         for t in leaves:
             offsets.append(off)
             off += t.numel()
-        shape, attrs = (off,), {"packed": True, "offsets": offsets}
+        shape, attrs = (off,), {"packed": True, "offsets": offsets,
+                                "leaf_shapes": [tuple(t.shape) for t in leaves]}
         if nested:  # leaf indices in the output's structure, e.g. (0, (1, 2))
             attrs["tree"] = _leaf_tree(v, iter(range(len(leaves))))
     op = b.make(name, "opaque", output_shape=shape, dtype=leaves[0].dtype, attrs=attrs,
@@ -253,7 +254,7 @@ def _leaf_item(b: _Builder, node, by_node, src_op: Op, tree, i):
         by_node[node] = ("subtree", src_op.name, sub)
         return None
     b.inputs.append(src_op.name)
-    return b.make("unpack", "unpack", attrs={"offset": src_op.attrs["offsets"][sub]})
+    return b.make("unpack", "unpack", attrs={"offset": src_op.attrs["offsets"][sub], "leaf": sub})
 
 
 def _classify(b: _Builder, name: str | None, module) -> Op:

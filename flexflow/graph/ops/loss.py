@@ -192,25 +192,38 @@ def _sized_by_batch(op: Op, batch: int) -> bool:
 
 @register("opaque")
 class Opaque(Rule):
-    """An op the library does not know: split along the sample dim (when its
-    output and inputs carry the batch on axis 0) or run whole."""
+    """An op the library does not know: split along the batch where its layout is proven
+    (attrs['layout'] = (per input (axis, unit) or None, output (axis, unit)): a layout
+    torch.nn documents, or one checked at capture, :mod:`flexflow.graph.batchflow`), else
+    run whole."""
 
     separable = True  # see Rule.separable
 
     def dims(self, op: Op, batch):
-        shape = op.output_shape
-        if (op.attrs.get("packed") or not shape or batch is None or shape[0] != batch
-                or batch <= 1 or _sized_by_batch(op, batch)):
+        lay = op.attrs.get("layout")
+        if lay is None or op.attrs.get("packed") or op.attrs.get("stacked") or batch is None or batch <= 1:
             return []
-        return [Dim("n", "sample", 0, batch)]
+        axis, unit = lay[1]
+        if len(op.output_shape) <= axis or op.output_shape[axis] != batch * unit:
+            return []
+        return [Dim("n", "sample", axis, op.output_shape[axis], unit)]
 
     def regions(self, op: Op, block: Block):
         ins, ps = super().regions(op, block)
         if "n" in block:
             a, b = block["n"]
-            batch = op.output_shape[0]
-            ins = [(slice(a, b),) + r[1:] if len(r) and shp[0] == batch else r
-                   for r, shp in zip(ins, op.input_shapes)]
+            lay = op.attrs["layout"]
+            out_unit = lay[1][1]
+            new = []
+            for r, shp, w in zip(ins, op.input_shapes, lay[0]):
+                if w is None:
+                    new.append(r)
+                    continue
+                axis, unit = w
+                r = list(r)
+                r[axis] = slice(a // out_unit * unit, b // out_unit * unit)
+                new.append(tuple(r))
+            ins = new
         return ins, ps
 
     def compute(self, op, block, inputs, params):

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..ir import Op
+from ..ir import Dim, Op
 from .base import (
     Block,
     Rule,
@@ -35,6 +35,68 @@ def reshape_axis_map(in_shape, out_shape) -> list[int | None]:
         amap[len(out_shape) - m] = len(in_shape) - m
         m += 1
     return amap
+
+
+def reshape_groups(in_shape, out_shape) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The axes of a reshape in groups of equal product, in order: each group a run of
+    input axes and the run of output axes holding the same elements ((B, T, C) ->
+    (B*T, C): ((0, 1), (0,)) and ((2,), (1,))).  Size-1 axes join the group before them
+    (the first group when they lead).  [] when the shapes do not hold as many elements."""
+    if math.prod(in_shape) != math.prod(out_shape):
+        return []
+    groups, i, j = [], 0, 0
+    ni, no = len(in_shape), len(out_shape)
+    while i < ni or j < no:
+        gi, go = [], []
+        pi = po = 1
+        while True:
+            if pi == po and gi and go and pi > 1:
+                break
+            if (pi <= po or j >= no) and i < ni:
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            elif j < no:
+                po *= out_shape[j]
+                go.append(j)
+                j += 1
+            else:
+                break
+        while i < ni and in_shape[i] == 1:  # trailing size-1 axes join this group
+            gi.append(i)
+            i += 1
+        while j < no and out_shape[j] == 1:
+            go.append(j)
+            j += 1
+        if groups and (pi == 1 or po == 1):  # a run of size-1 axes alone: the group before it
+            groups[-1] = (groups[-1][0] + tuple(gi), groups[-1][1] + tuple(go))
+        else:
+            groups.append((tuple(gi), tuple(go)))
+    return groups
+
+
+def merge_splits(in_shape, out_shape) -> dict[int, tuple[int, int, int, int]]:
+    """The leading output axis of each reshape group that merges or splits axes, as
+    output axis -> (input axis, unit, output elements per index, input elements per index):
+    the output axis's blocks in multiples of ``unit`` read the leading input axis's rows
+    ``[a * out_per // in_per, b * out_per // in_per)`` and the group's other axes whole.
+    (B, T, C) -> (B*T, C): {0: (0, T, 1, T)}: rows of whole samples; (B*T, C) -> (B, T, C):
+    {0: (0, 1, T, 1)}; (B, C) -> (G, B/G, C): {0: (0, 1, B/G, 1)}."""
+    out = {}
+    for gi, go in reshape_groups(in_shape, out_shape):
+        lead_i = next((a for a in gi if in_shape[a] > 1), None)
+        lead_o = next((a for a in go if out_shape[a] > 1), None)
+        if lead_i is None or lead_o is None:
+            continue
+        in_per = math.prod(in_shape[a] for a in gi if a > lead_i)
+        out_per = math.prod(out_shape[a] for a in go if a > lead_o)
+        if in_per == 1 and out_per == 1:
+            continue  # one axis to one: the axis map has it
+        unit = in_per // math.gcd(in_per, out_per)
+        if out_shape[lead_o] % unit or out_shape[lead_o] // unit < 2:
+            continue
+        out[lead_o] = (lead_i, unit, out_per, in_per)
+    return out
 
 
 class _Mapped(Rule):
@@ -70,6 +132,40 @@ class _Mapped(Rule):
 
 @register("reshape")
 class Reshape(_Mapped):
+    """A reshape: axes it keeps map one to one; an axis that merges a run of input axes
+    ((B, T) -> B*T) or splits one ((B*T) -> (B, T), (B) -> (G, B/G)) splits too, along
+    its leading input axis (see :func:`merge_splits`)."""
+
+    def _merges(self, op):
+        held = op.__dict__.get("_merges")
+        if held is None or held[0] is not op.output_shape:
+            held = op.__dict__["_merges"] = (op.output_shape, merge_splits(tuple(op.input_shapes[0]),
+                                                                           tuple(op.output_shape)))
+        return held[1]
+
+    def dims(self, op: Op, batch):
+        amap, merges = op.attrs["axis_map"], self._merges(op)
+        dims = []
+        for d in sample_dims(op.output_shape, batch):
+            if amap[d.axis] is not None:
+                dims.append(d)
+            elif d.axis in merges:
+                dims.append(Dim(d.name, d.kind, d.axis, d.size, merges[d.axis][1]))
+        return dims
+
+    def regions(self, op: Op, block: Block):
+        (region,), ps = super().regions(op, block)
+        merges = self._merges(op)
+        if merges:
+            out = out_region(op, block)
+            region = list(region)
+            for oa, (ia, unit, out_per, in_per) in merges.items():
+                a, b = out[oa].start, out[oa].stop
+                if (a, b) != (0, op.output_shape[oa]):
+                    region[ia] = slice(a * out_per // in_per, b * out_per // in_per)
+            region = tuple(region)
+        return [region], ps
+
     def compute(self, op, block, inputs, params):
         return self.bind(op, block)(inputs, params)
 
