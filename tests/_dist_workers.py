@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import flexflow as ff
 from flexflow.api import parallelize
+from _corpus import CORPUS
 from flexflow.hardware.machine import Machine
 from flexflow.models._common import InputSpec, make_inputs
 from flexflow.strategy.config import ParallelConfig, StrategyError
@@ -148,6 +149,7 @@ class HandMSE(Regressor):
 
 
 CUSTOM = {"branchnet": BranchNet, "tinylm": TinyLM, "recurrent": RecurrentNet, "regressor": Regressor, "handmse": HandMSE}
+CUSTOM.update(CORPUS)  # models as their authors write them (tests/_corpus.py)
 
 
 def build(name: str, batch: int, seed: int = 0):

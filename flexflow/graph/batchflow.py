@@ -19,7 +19,6 @@ output.  Otherwise it runs whole, and :attr:`OpGraph.whole_reasons` says why.
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 
 import torch
@@ -224,7 +223,7 @@ def _starts(inputs: list[Op], axes) -> tuple[dict, int | None]:
 
 
 def _candidates(inputs: list[Op], batch_dim):
-    """The input batch dims to try: the declared one, or axis 0 and 1 of each input."""
+    """The input batch dims to try: the declared one, or axis 0, then axis 1."""
     if batch_dim is not None:
         if isinstance(batch_dim, int):
             return [[batch_dim if len(op.output_shape) > batch_dim else None for op in inputs]]
@@ -237,10 +236,10 @@ def _candidates(inputs: list[Op], batch_dim):
                 raise BatchDimError(f"batch_dim {a!r} of input {op.name} does not index its shape "
                                     f"{tuple(op.output_shape)}")
         return [[a % len(op.output_shape) if a is not None else None for op, a in zip(inputs, dims)]]
-    choices = [[0, 1] if len(op.output_shape) >= 2 else [0] if op.output_shape else [None] for op in inputs]
-    combos = list(itertools.product(*choices))
-    combos.sort(key=lambda c: sum(1 for a in c if a))  # axis 0 first: it wins ties
-    return [list(c) for c in combos[:8]]
+    # one axis for every input of two axes or more (inputs of one axis: their axis 0); a
+    # model that mixes layouts across its inputs says so with batch_dim
+    return [[0 if op.output_shape else None for op in inputs],
+            [1 if len(op.output_shape) >= 2 else 0 if op.output_shape else None for op in inputs]]
 
 
 def settle_batch(ops: list[Op], root, batch_dim=None) -> tuple[int | None, dict[str, str]]:
@@ -274,12 +273,26 @@ def settle_batch(ops: list[Op], root, batch_dim=None) -> tuple[int | None, dict[
     _redim(placed, batch, root, declared_only=True)
     reasons = _redim(placed, batch, root, declared_only=False, starts=starts, ops=ops)
     pos, _ = _flow(ops, starts, batch, final=True)
+    lost: dict[str, str] = {}  # op -> the op where the batch its inputs had was lost
     for op in placed:
         d = op.__dict__.pop("_carry", None)
         if op.rule == "opaque":
+            d = op.sample_dim
+        if op.sample_dim is None and d is None and op.name not in reasons and not op.output_shape:
+            reasons[op.name] = "its output is a scalar (nothing to split)"
+        if op.sample_dim is None and d is None and op.name not in reasons:
+            if any(pos.get(s) is not None for s in op.inputs):
+                reasons[op.name] = _lost(op)
+            else:
+                origin = next((lost[s] for s in op.inputs if s in lost), None)
+                if origin is not None:
+                    reasons[op.name] = (f"its inputs no longer carry the batch (lost at {origin})"
+                                        if op.output_shape else "its output is a scalar of the whole batch")
+        if (d is None and op.sample_dim is None and pos.get(op.name) is None
+                and any(pos.get(s) is not None or s in lost for s in op.inputs)):
+            lost[op.name] = next((lost[s] for s in op.inputs if s in lost), op.name)
+        if op.rule == "opaque":
             continue
-        if d is None and op.name not in reasons and any(pos.get(s) is not None for s in op.inputs):
-            reasons[op.name] = _lost(op)
         out = []
         for x in op.dims:
             if d is not None and x is d:
@@ -302,7 +315,9 @@ def _lost(op: Op) -> str:
     if op.rule == "reshape":
         return "the reshape merges the batch into a dim after another (its blocks are not whole samples)"
     if op.rule == "unpack":
-        return "one output of an op whose outputs travel packed (it runs whole)"
+        return f"one output of {op.inputs[0]}, whose outputs travel packed (it runs whole)"
+    if not op.output_shape:
+        return "its output is a scalar of the whole batch"
     if not op.dims:
         return f"the {op.rule} rule runs it whole"
     return "its rule mixes the samples (no dim of it reads one block of the batch)"

@@ -1,0 +1,150 @@
+"""Models as people write them (tests/_corpus.py): where the batch is, and that every
+plan trains as one process does.
+
+Pure part: the batch dim each model's trace finds, and under data parallelism no op
+whole on one device except where ``graph.whole_reasons`` says why.  Distributed part:
+data parallelism and three random strategies on 2 gloo processes against the plain
+module in one process (float32, 1e-5), losses and every parameter after 3 SGD steps.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import _dist_workers as W
+import flexflow as ff
+from _corpus import CORPUS
+from flexflow.graph.batchflow import BatchDimError
+from flexflow.launch import launch
+from flexflow.models._common import make_inputs
+from flexflow.strategy.regions import partitions
+
+TOL = 1e-5
+BATCH = 4
+
+
+def _build(name, batch=BATCH):
+    torch.manual_seed(0)
+    module = CORPUS[name]()
+    return module, make_inputs(module.input_specs(batch), seed=0, device="cpu", dtype=torch.float32)
+
+
+# the ops that may run whole under data parallelism, and the words of the reason
+EXPECTED_WHOLE = {
+    "seqfirst_encoder": {"view": "merges the batch", "view_1": "merges the batch", "cross_entropy": "scalar"},
+    "seqfirst_mha": {"mha": "packed", "getitem": "lost at mha", "getitem_1": "lost at mha", "add_1": "scalar"},
+    "seqfirst_rnns": {"lstm": "packed", "gru": "packed", "rnn": "packed", "getitem": "lost at lstm",
+                      "getitem_2": "lost at gru", "getitem_3": "lost at gru", "getitem_4": "lost at rnn",
+                      "getitem_5": "lost at rnn", "add": "scalar"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+@pytest.mark.parametrize("devices", [2, 8])
+def test_data_parallel_leaves_no_op_whole_without_a_reason(name, devices):
+    module, example = _build(name, batch=8)
+    graph = ff.trace(module, example)
+    assert graph.batch_size == 8
+    s = ff.Strategy.data_parallel(graph, ff.Machine.preset("h100-cluster", devices=devices))
+    whole = {op.name for op in graph.compute_ops if len(s[op.name].devices) == 1}
+    want = EXPECTED_WHOLE.get(name, {})
+    assert whole == set(want), (name, sorted(whole))
+    for op_name, words in want.items():
+        assert words in graph.whole_reasons[op_name], (op_name, graph.whole_reasons.get(op_name))
+    for op in graph.compute_ops:  # every split op holds whole samples: its blocks are the batch's
+        d = op.sample_dim
+        if d is not None and len(s[op.name].devices) > 1:
+            parts = partitions(op, s[op.name])
+            sizes = {p.block[d.name][1] - p.block[d.name][0] for p in parts}
+            assert all(x % d.unit == 0 for x in sizes), op.name
+
+
+def test_a_flattened_loss_splits_by_samples():
+    graph = ff.trace(*_build("nanogpt", batch=8))
+    ce = graph.op("cross_entropy")
+    flat = graph.op(ce.inputs[0])
+    assert flat.output_shape == (8 * 8, 48) and flat.sample_dim.unit == 8
+    assert ce.sample_dim is not None and ce.sample_dim.axis is None
+    s = ff.Strategy.data_parallel(graph, ff.Machine.preset("h100-node"))
+    assert s[ce.name].degrees == {ce.sample_dim.name: 8}
+    # device k's rows of the flattened logits are the rows of samples block k
+    for p in partitions(flat, s[flat.name]):
+        a, b = p.output[0].start, p.output[0].stop
+        assert (a, b) == (p.index * 8, (p.index + 1) * 8)
+        assert p.inputs[0][0] == slice(p.index, p.index + 1)
+
+
+def test_sequence_first_inputs_are_found_and_can_be_declared():
+    module, example = _build("seqfirst_layer", batch=6)
+    graph = ff.trace(module, example)
+    assert graph.batch_size == 6
+    emb = graph.op("emb")
+    assert emb.sample_dim.axis == 1  # (T, B, d): the batch is axis 1
+    assert graph.op("layer").sample_dim.axis == 1
+    declared = ff.trace(module, example, batch_dim=1)
+    assert declared.op("emb").sample_dim.axis == 1
+    # declared wrong, the sequence is split as the batch; the encoder layer then runs whole
+    wrong = ff.trace(module, example, batch_dim=0)
+    assert wrong.batch_size == 8 and wrong.op("layer").sample_dim is None
+    with pytest.raises(BatchDimError, match="2 tensor inputs"):
+        ff.trace(module, example, batch_dim=[1])
+    with pytest.raises(BatchDimError, match="does not index"):
+        ff.trace(module, example, batch_dim=[1, 5])
+
+
+def test_an_opaque_op_splits_only_where_proven():
+    class Mixer(torch.nn.Module):  # mixes samples: must run whole
+        def forward(self, x):
+            return x - x.mean(0, keepdim=True)
+
+    class PerSample(torch.nn.Module):  # independent samples: proven at capture
+        def forward(self, x):
+            return x * x.sum(1, keepdim=True)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.mix, self.per = torch.nn.Linear(6, 6), Mixer(), PerSample()
+
+        def forward(self, x):
+            return self.per(self.mix(self.fc(x))).pow(2).mean()
+
+    class Tracer(torch.fx.Tracer):
+        pass
+
+    import flexflow.graph.trace as tr
+    leaf = tr._Tracer.is_leaf_module
+    try:  # the two helper modules as opaque leaves, as a user's unknown module would be
+        tr._Tracer.is_leaf_module = lambda self, m, q: isinstance(m, (Mixer, PerSample)) or leaf(self, m, q)
+        graph = ff.trace(M(), (torch.randn(8, 6),))
+    finally:
+        tr._Tracer.is_leaf_module = leaf
+    assert graph.op("mix").rule == "opaque" and graph.op("mix").sample_dim is None
+    assert "does not give that block" in graph.whole_reasons["mix"]
+    assert graph.op("per").rule == "opaque" and graph.op("per").sample_dim is not None
+
+
+@pytest.fixture(scope="module")
+def corpus_runs():
+    cases = [(name, BATCH, "train", ["data_parallel", "random:0", "random:1", "random:2"], False)
+             for name in sorted(CORPUS)]
+    t0 = time.monotonic()
+    out = launch(W.suite, 2, cases, timeout_s=240)
+    return [r["equivalence"] for r in out], time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_every_plan_trains_as_one_process(corpus_runs, name):
+    results, _ = corpus_runs
+    recs = [r for r in results[0] if r["model"] == name]
+    assert len(recs) == 4
+    bad = [f"{r['spec']}: loss err {r['loss_err']:.2e}, {r['worst']} err {r['param_err']:.2e}"
+           for r in recs if r["loss_err"] > TOL or r["param_err"] > TOL]
+    assert not bad, "\n".join(bad)
+    for other in results[1:]:
+        for r in recs:
+            o = next(x for x in other if x["model"] == name and x["spec"] == r["spec"])
+            assert o["losses"] == r["losses"], (name, r["spec"])
