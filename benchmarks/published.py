@@ -1,6 +1,6 @@
 """Simulated training throughput against published GPU measurements.
 
-    python benchmarks/published.py [--only SUBSTRING] [--out benchmarks/results/published]
+    python benchmarks/published.py [--only SUBSTRING] [--loss flat|transposed] [--out benchmarks/results/published]
 
 Each row is a public measurement of GPU training: the model, the GPUs, the plan, the
 micro-batch and sequence, the precision and whether activations were recomputed, and
@@ -34,6 +34,11 @@ layers and the attention (torchtitan's selective checkpointing keeps the matrix 
 outputs); ``none``.  A run that accumulates gradients over micro-batches is simulated as
 one micro-batch step (its optimizer step is then counted once per micro-batch: a few
 milliseconds against steps of seconds).
+
+Loss.  ``--loss transposed`` (default) writes the loss as the zoo does,
+``cross_entropy(logits.transpose(1, 2), targets)``; ``--loss flat`` as the sources do,
+``cross_entropy(logits.view(-1, V), targets.view(-1))`` (llm-foundry, torchtitan, llm.c's
+PyTorch reference): the same value, a different graph (the batch must survive the view).
 
 Aim: median |error| <= 15%, largest <= 30%.
 """
@@ -94,16 +99,24 @@ NOTES = {
 }
 
 
+LOSS = "transposed"  # set by --loss
+
+
 def build(model: str, size: str, batch: int, seq: int):
     """(module on meta, inputs on meta) of a row's model."""
     if model == "mpt":
         layers, width, heads = MPT[size]
         with torch.device("meta"):
             module = GPT2(GPT2Config(layers=layers, width=width, heads=heads, vocab=50368, seq_len=seq,
-                                     positions=seq))
+                                     positions=seq, loss=LOSS))
             inputs = (torch.zeros(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.long))
         return module, inputs
-    return ff.models.get(model, batch_size=batch, size=size, seq_len=seq, device="meta")
+    module, inputs = ff.models.get(model, batch_size=batch, size=size, seq_len=seq, device="meta")
+    if LOSS != module.config.loss:
+        from dataclasses import replace
+        with torch.device("meta"):
+            module = type(module)(replace(module.config, loss=LOSS))
+    return module, inputs
 
 
 def plan(graph, machine, name: str, recompute: str):
@@ -178,7 +191,7 @@ def run_row(row, role: str) -> dict:
     predicted, predicted_kernel = tokens_per_gpu(row, res), tokens_per_gpu(row, kernel)
     return {"source": source[0], "url": source[1], "model": f"{model}-{size}", "params": n_params,
             "gpus": gpus, "machine": preset, "plan": plan_name, "micro_batch": micro, "seq": seq,
-            "precision": "bf16-mixed", "recompute": recompute, "published_tokens_per_s_gpu": published,
+            "precision": "bf16-mixed", "recompute": recompute, "loss": LOSS, "published_tokens_per_s_gpu": published,
             "role": role, "run_efficiency": machine.spec.run_efficiency,
             "predicted_tokens_per_s_gpu": predicted, "error": predicted / published - 1.0,
             "predicted_kernel_rates": predicted_kernel, "error_kernel_rates": predicted_kernel / published - 1.0,
@@ -190,8 +203,14 @@ def run_row(row, role: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=None, help="run the rows whose model name contains this")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "published"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/published (published_flat "
+                    "with --loss flat)")
+    ap.add_argument("--loss", choices=("transposed", "flat"), default="transposed")
     a = ap.parse_args(argv)
+    global LOSS
+    LOSS = a.loss
+    if a.out is None:
+        a.out = str(Path(__file__).parent / "results" / ("published_flat" if a.loss == "flat" else "published"))
     rows = [r for r in ROWS if a.only is None or a.only in f"{r[1]}-{r[2]}"]
     role = roles(rows)
     refit, shipped_factor = {}, {}
@@ -230,7 +249,7 @@ def main(argv=None) -> int:
              f"`{out['command']}`", "",
              "Each row: a public measurement of GPU training and the simulator's prediction for the same "
              "model (built on the `meta` device), GPUs, plan, micro-batch, sequence, precision (bf16 mixed, "
-             "AdamW) and recomputation: with the published kernel rates alone (nothing from any row), and as "
+             f"AdamW), recomputation and the loss written {LOSS} (see the script): with the published kernel rates alone (nothing from any row), and as "
              "shipped: those rates times the preset's run factor (`RUN_EFFICIENCY` in "
              "`flexflow/hardware/specs.py`), fitted to the rows marked `fit` and never to the rows marked "
              "`check`. Run factors shipped: " + ", ".join(f"{k} x{v:.3f}" for k, v in shipped_factor.items())

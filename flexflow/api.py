@@ -181,9 +181,9 @@ def _search_plan(graph, machine, budget: float, optimizer: str = "sgd", device=N
     return found
 
 
-def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None):
+def _trace_clean(module: nn.Module, example_inputs, example_kwargs=None, batch_dim=None):
     """trace() leaves the module's buffers and attributes as they were."""
-    return trace(module, example_inputs, example_kwargs)
+    return trace(module, example_inputs, example_kwargs, batch_dim=batch_dim)
 
 
 def _reuse_graph(strategy, module, example_inputs):
@@ -273,7 +273,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                 profile: bool = True, plan: Plan | str | None = None,
                 min_gain: float = MIN_PREDICTED_GAIN, finalists: int = FINALISTS,
                 finalist_steps: int = FINALIST_STEPS, cost_model=None,
-                precision: str = "32-true") -> ParallelModule:
+                precision: str = "32-true", batch_dim=None) -> ParallelModule:
     """Run ``module`` on the devices of the process group with a SOAP strategy.
 
     Collective: every rank of the default process group calls it with the
@@ -282,7 +282,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     of the strategy runs on ``ranks[k]``; the other ranks hold nothing but
     still return the outputs.  ``example_inputs`` fix every shape (required;
     keyword inputs go in ``example_kwargs`` and the module is then called
-    with the same keywords).
+    with the same keywords).  ``batch_dim``: which dim of each input is the
+    batch (:func:`flexflow.trace`; default: inferred).
     Without ``strategy``, rank 0 searches for ``budget`` seconds and
     broadcasts the result.  ``timeout_s`` (default $FLEXFLOW_TIMEOUT_S or
     300) bounds every wait on a peer.  Rank 0's parameters and buffers are
@@ -373,8 +374,8 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
         elif machine.num_devices != len(ranks):
             raise ValueError(f"machine {machine.name!r} has {machine.num_devices} devices but "
                              f"{len(ranks)} ranks take part ({ranks})")
-        graph = ((None if example_kwargs else _reuse_graph(strategy, module, example_inputs))
-                 or _trace_clean(module, example_inputs, example_kwargs))
+        graph = ((None if example_kwargs or batch_dim is not None else _reuse_graph(strategy, module, example_inputs))
+                 or _trace_clean(module, example_inputs, example_kwargs, batch_dim))
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         if not distributed:
             raise

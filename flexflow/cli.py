@@ -120,6 +120,7 @@ def cmd_trace(args) -> int:
         space = {str(n): strategy_space_log10(graph, Machine.preset("p100-cluster", devices=n))
                  for n in (4, 16)}
         print(json.dumps({"model": label, "ops": len(graph), "opaque": graph.opaque,
+                          "whole": graph.whole_reasons,
                           "param_bytes": graph.param_bytes, "log10_strategies": space,
                           "table": [dict(zip(("name", "kind", "shape", "params", "dims"), r))
                                     for r in rows]}))
@@ -135,6 +136,10 @@ def cmd_trace(args) -> int:
           f"{len(graph.groups)} config groups), batch {graph.batch_size}")
     print(f"parameters: {_fmt_bytes(graph.param_bytes)}")
     print(f"opaque ops: {', '.join(graph.opaque) if graph.opaque else 'none'}")
+    if graph.whole_reasons:
+        print("ops that cannot split the batch (data parallelism runs them whole):")
+        for name, why in graph.whole_reasons.items():
+            print(f"  {name}: {why}")
     for n in (4, 16):
         m = Machine.preset("p100-cluster", devices=n)
         print(f"strategy space on {n} devices: 10^{strategy_space_log10(graph, m):.1f}")

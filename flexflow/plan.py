@@ -341,7 +341,7 @@ def check_finalists(finalists, finalist_steps) -> None:
 def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, budget: float = 30.0,
          optimizer: str = "sgd", precision: str = "32-true", seed: int = 0, evaluations: int | None = None,
          min_gain: float = MIN_PREDICTED_GAIN, cost_model=None, shard: bool = True, finalists: int = FINALISTS,
-         finalist_steps: int = FINALIST_STEPS) -> Plan:
+         finalist_steps: int = FINALIST_STEPS, batch_dim=None) -> Plan:
     """Trace ``module`` on ``example_inputs`` and search a strategy for ``machine``
     (:func:`flexflow.search` for ``budget`` seconds, or ``evaluations``): a :class:`Plan`.
 
@@ -357,7 +357,10 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     (its host's cost model and corrections unless ``cost_model`` is given), every finalist
     runs ``finalist_steps`` timed training steps on ranks 0..n-1, the fastest measured is
     the plan (:func:`measure_plan`), and within ``budget`` (a quarter kept for measuring).
-    ``finalists`` 0 or 1: no finalists, no measurement."""
+    ``finalists`` 0 or 1: no finalists, no measurement.
+
+    ``batch_dim``: which dim of each input is the batch (:func:`flexflow.trace`; default:
+    inferred from the graph)."""
     if example_inputs is None and example_kwargs:
         example_inputs = ()
     if example_inputs is None:
@@ -368,7 +371,7 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
     check_finalists(finalists, finalist_steps)
     t0 = time.perf_counter()
-    graph = trace(module, example_inputs, example_kwargs)
+    graph = trace(module, example_inputs, example_kwargs, batch_dim=batch_dim)
     from .finalists import not_runnable
     at_hand = finalists > 1 and not_runnable(None, precision) is None
     device = _devices_at_hand(machine, module) if at_hand else None

@@ -154,6 +154,23 @@ class SeqFirstMHA(nn.Module):
         return [InputSpec((T, batch), "index", V), InputSpec((T, batch), "index", V)]
 
 
+class SeqFirstMHANoWeights(nn.Module):
+    """nn.MultiheadAttention without its weights (it returns (out, None)), the loss over
+    the batch-major logits made by two transposes."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb, self.mha, self.out = nn.Embedding(V, d), nn.MultiheadAttention(d, 4), nn.Linear(d, V)
+
+    def forward(self, src, tgt):
+        h = self.emb(src)
+        a = self.mha(h, h, h, need_weights=False)[0]
+        return F.cross_entropy(self.out(a).transpose(0, 1).transpose(1, 2), tgt.t())
+
+    def input_specs(self, batch):
+        return [InputSpec((T, batch), "index", V), InputSpec((T, batch), "index", V)]
+
+
 class SeqFirstRNNs(nn.Module):
     """nn.LSTM, nn.GRU and nn.RNN without batch_first: (T, B, ·)."""
 
@@ -197,4 +214,5 @@ class Layers(nn.Module):
 
 CORPUS = {"nanogpt": NanoGPT, "shifted_lm": ShiftedLM, "flat_mlp": FlatMLP, "grouped_batch": GroupedBatch,
           "seqfirst_encoder": SeqFirstEncoder, "seqfirst_layer": SeqFirstLayer, "seqfirst_mha": SeqFirstMHA,
+          "seqfirst_mha_noweights": SeqFirstMHANoWeights,
           "seqfirst_rnns": SeqFirstRNNs, "layers": Layers}

@@ -171,6 +171,8 @@ def _flow(ops: list[Op], starts: dict[str, tuple | None], batch: int, final: boo
             lay = leaves.get(src)
             k = op.attrs.get("leaf", 0)
             pos[op.name] = (lay[k][0], op.output_shape[lay[k][0]]) if lay and k < len(lay) and lay[k] else None
+            if final:  # packed by sample: it splits along the batch
+                op.__dict__["_carry"] = op.sample_dim
             continue
         if op.rule == "opaque":
             lay = op.attrs.get("declared")
@@ -371,10 +373,17 @@ def _redim(placed: list[Op], batch: int, root, *, declared_only: bool, starts=No
             if declared_only:
                 continue
             single = not op.attrs.get("packed") and not op.attrs.get("stacked")
-            if lay is not None and single and lay[1] and lay[1][0] is not None:
+            ins = [pos.get(s) for s in op.inputs]
+            agree = lay is not None and all(w is None or (b is not None and b[0] == w[0])
+                                            for b, w in zip(ins, lay[0]))
+            if lay is not None and not agree:
+                reasons[op.name] = "its inputs do not hold the batch where its layout says"
+            elif lay is not None and single and lay[1] and lay[1][0] is not None:
                 op.attrs["layout"] = (list(lay[0]), lay[1][0])
+            elif lay is not None and op.attrs.get("packed") and lay[1] and all(lay[1]) \
+                    and all(u == 1 for _, u in lay[1]):
+                _pack_by_sample(op, lay, batch, [o for o in ops if o.rule == "unpack" and o.inputs[:1] == [op.name]])
             elif lay is None and single:
-                ins = [pos.get(s) for s in op.inputs]
                 why = _prove(op, root, ins, batch)
                 if why is None:
                     axis = next(b[0] for b in ins if b is not None)
@@ -386,6 +395,22 @@ def _redim(placed: list[Op], batch: int, root, *, declared_only: bool, starts=No
                                     if op.attrs.get("packed") else "its layout is not known")
         op.dims = [] if op.everywhere else RULES[op.rule].dims(op, batch)
     return reasons
+
+
+def _pack_by_sample(op: Op, lay, batch: int, unpacks: list[Op]) -> None:
+    """A packed op whose every output holds the batch (nn.LSTM's (out, (h, c)), nn.Multihead-
+    Attention's (out, weights)) packs by sample: a (B, per sample) tensor, each output's
+    samples flattened side by side, so that it splits along the batch like its outputs."""
+    shapes = op.attrs["leaf_shapes"]
+    axes = [ax for ax, _ in lay[1]]
+    per = [math.prod(s) // s[ax] for s, ax in zip(shapes, axes)]
+    offsets = [sum(per[:k]) for k in range(len(per))]
+    op.output_shape = (batch, sum(per))
+    op.attrs.update(by_sample=axes, layout=(list(lay[0]), (0, 1)))
+    for u in unpacks:
+        k = u.attrs["leaf"]
+        u.input_shapes = [op.output_shape]
+        u.attrs.update(sample_axis=axes[k], offset=offsets[k], per_sample=per[k])
 
 
 def _prove(op: Op, root, ins, batch: int) -> str | None:

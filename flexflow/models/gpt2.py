@@ -30,6 +30,10 @@ class GPT2Config:
     positions: int = 1024  # rows of the learned position table (at least seq_len)
     dropout: float = 0.0  # dropout on embeddings, attention and residual branches
     eps: float = 1e-5  # LayerNorm epsilon
+    # "transposed": cross_entropy(logits.transpose(1, 2), targets); "flat": over the
+    # flattened rows, cross_entropy(logits.view(-1, V), targets.view(-1)), as nanoGPT,
+    # llm-foundry and Hugging Face write it (the same value)
+    loss: str = "transposed"
 
 
 # size -> (layers, width, heads); "paper" is the 124M model
@@ -132,6 +136,8 @@ class GPT2(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # (B, T, V), tied head
+        if self.config.loss == "flat":
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return F.cross_entropy(logits.transpose(1, 2), targets)
 
     def input_specs(self, batch: int):

@@ -35,6 +35,10 @@ class LlamaConfig:
     rope_theta: float = 500000.0  # rotary base
     eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # output head shares the token embedding
+    # "transposed": cross_entropy(logits.transpose(1, 2), targets); "flat": over the
+    # flattened rows, cross_entropy(logits.view(-1, V), targets.view(-1)), as nanoGPT,
+    # llm-foundry and Hugging Face write it (the same value)
+    loss: str = "transposed"
 
 
 # size -> config fields
@@ -163,6 +167,8 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         x = self.norm(x)
         logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        if self.config.loss == "flat":
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return F.cross_entropy(logits.transpose(1, 2), targets)  # logits (B, V, T)
 
     def input_specs(self, batch: int):

@@ -187,6 +187,11 @@ def build_op(root, node: fx.Node, value, by_node, param_names, ops) -> Op | None
         leaves = list(flatten(value)) if isinstance(value, (tuple, list)) else []
         if leaves and all(map(_is_tensor, leaves)):  # nested outputs: nn.LSTM's (out, (h, c))
             return _multi_output(b, name or type(module).__name__.lower(), module)
+        if node.op != "get_attr" and any(map(_is_tensor, leaves)) and \
+                all(t is None or _is_tensor(t) for t in leaves):
+            # tensors beside None (nn.MultiheadAttention's (out, None) without its weights):
+            # an op all the same, whose None items are constants
+            return _multi_output(b, name or type(module).__name__.lower(), module)
         by_node[node] = ("value", value)
         return None
     return _classify(b, name, module)
@@ -207,6 +212,7 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
     else packed flat (and then it runs whole)."""
     v = b.value
     same = all(_is_tensor(t) and t.shape == v[0].shape and t.dtype == v[0].dtype for t in v)
+    holes = any(t is None for t in flatten(v))
     if name == "lstm_cell" and same and module is not None:
         args, kwargs = b.template()
         op = b.make("lstm_cell", "lstm_cell", output_shape=(2,) + tuple(v[0].shape), dtype=v[0].dtype,
@@ -215,8 +221,8 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
         _module_params(b, op, module)
         return op
     args, kwargs = b.template()
-    leaves = list(flatten(v))
-    nested = len(leaves) != len(v)
+    leaves = [t for t in flatten(v) if t is not None]
+    nested = len(leaves) != len(v) or holes
     if same:
         shape, attrs = (len(v),) + tuple(v[0].shape), {"stacked": True}
     else:
@@ -226,8 +232,9 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
             off += t.numel()
         shape, attrs = (off,), {"packed": True, "offsets": offsets,
                                 "leaf_shapes": [tuple(t.shape) for t in leaves]}
-        if nested:  # leaf indices in the output's structure, e.g. (0, (1, 2))
+        if nested:  # leaf indices in the output's structure, e.g. (0, (1, 2)); None stays None
             attrs["tree"] = _leaf_tree(v, iter(range(len(leaves))))
+            attrs["leaf_count"] = len(leaves)
     op = b.make(name, "opaque", output_shape=shape, dtype=leaves[0].dtype, attrs=attrs,
                 target=module if module is not None else b.node.target, args=args, kwargs=kwargs)
     if module is not None:
@@ -243,7 +250,7 @@ def _multi_output(b: _Builder, name: str, module) -> Op:
 def _leaf_tree(value, counter):
     if isinstance(value, (tuple, list)):
         return tuple(_leaf_tree(x, counter) for x in value)
-    return next(counter)
+    return None if value is None else next(counter)
 
 
 def _leaf_item(b: _Builder, node, by_node, src_op: Op, tree, i):
@@ -252,6 +259,9 @@ def _leaf_item(b: _Builder, node, by_node, src_op: Op, tree, i):
     sub = tree[i]
     if isinstance(sub, tuple):
         by_node[node] = ("subtree", src_op.name, sub)
+        return None
+    if sub is None:  # a None item of the output
+        by_node[node] = ("value", None)
         return None
     b.inputs.append(src_op.name)
     return b.make("unpack", "unpack", attrs={"offset": src_op.attrs["offsets"][sub], "leaf": sub})

@@ -201,7 +201,8 @@ class Opaque(Rule):
 
     def dims(self, op: Op, batch):
         lay = op.attrs.get("layout")
-        if lay is None or op.attrs.get("packed") or op.attrs.get("stacked") or batch is None or batch <= 1:
+        if lay is None or op.attrs.get("stacked") or batch is None or batch <= 1 \
+                or (op.attrs.get("packed") and not op.attrs.get("by_sample")):
             return []
         axis, unit = lay[1]
         if len(op.output_shape) <= axis or op.output_shape[axis] != batch * unit:
@@ -228,8 +229,12 @@ class Opaque(Rule):
 
     def compute(self, op, block, inputs, params):
         out = call_template(op, inputs, params)
+        if op.attrs.get("by_sample"):  # (B, per sample): each output's samples, side by side
+            leaves = [t for t in flatten(out) if t is not None]
+            return torch.cat([t.movedim(ax, 0).reshape(t.shape[ax], -1)
+                              for t, ax in zip(leaves, op.attrs["by_sample"])], dim=1)
         if op.attrs.get("packed"):
-            return torch.cat([t.reshape(-1) for t in flatten(out)])
+            return torch.cat([t.reshape(-1) for t in flatten(out) if t is not None])
         if op.attrs.get("stacked"):
             return torch.stack(list(out))
         return out

@@ -272,9 +272,33 @@ class Concat(Rule):
 @register("unpack")
 class Unpack(Rule):
     """One output of an op with several outputs of different shapes, whose
-    outputs travel packed as one flat tensor.  Runs whole."""
+    outputs travel packed as one flat tensor: runs whole.  Packed by sample
+    (attrs['sample_axis']: the producer holds a (B, per sample) tensor, each
+    output's samples flattened at columns [offset, offset + per sample)), it
+    splits along the batch: rows of the packed tensor, its own columns."""
+
+    separable = True  # see Rule.separable
+
+    def dims(self, op: Op, batch):
+        ax = op.attrs.get("sample_axis")
+        if ax is None or op.output_shape[ax] < 2:
+            return []
+        return [Dim("n", "sample", ax, op.output_shape[ax])]
+
+    def regions(self, op: Op, block: Block):
+        ax = op.attrs.get("sample_axis")
+        if ax is None:
+            return super().regions(op, block)
+        a, b = block.get("n", (0, op.output_shape[ax]))
+        off = op.attrs["offset"]
+        return [(slice(a, b), slice(off, off + op.attrs["per_sample"]))], {}
 
     def compute(self, op, block, inputs, params):
+        ax = op.attrs.get("sample_axis")
+        if ax is not None:  # this block's rows, this output's columns
+            x = inputs[0]
+            rest = tuple(s for i, s in enumerate(op.output_shape) if i != ax)
+            return x.reshape((x.shape[0],) + rest).movedim(0, ax)
         off = op.attrs["offset"]
         n = math.prod(op.output_shape)
         return inputs[0][off:off + n].view(op.output_shape)
