@@ -47,6 +47,7 @@ from .runtime.plan import BUCKET_CAP_MB, REDUCE_OUTPUTS, RUN_PRECISIONS, _precis
 from .runtime.program import check_programs
 from .sim.memory import optimizer_state_copies
 from .strategy.config import StrategyError
+from .strategy.shapecheck import check_partition_shapes
 from .strategy.strategy import Strategy
 
 __all__ = ["parallelize", "ParallelModule", "default_timeout_s", "host_cost_model", "PROFILE_SHARE"]
@@ -419,6 +420,7 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
     if error is None:
         try:
             chosen = _as_strategy(strategy, graph, machine, ranks, machine_given)
+            check_partition_shapes(graph, chosen)  # refused now, not a receive that waits for the timeout
         except (StrategyError, TypeError, ValueError) as e:
             error = str(e)
     _agree(error, graph.fingerprint() if graph is not None else None, distributed)

@@ -148,3 +148,23 @@ def test_every_plan_trains_as_one_process(corpus_runs, name):
         for r in recs:
             o = next(x for x in other if x["model"] == name and x["spec"] == r["spec"])
             assert o["losses"] == r["losses"], (name, r["spec"])
+
+
+def test_a_plan_whose_partitions_compute_other_shapes_is_refused_at_setup(monkeypatch):
+    from flexflow.graph.ops import RULES
+    from flexflow.strategy.config import StrategyError
+    from flexflow.strategy.shapecheck import check_partition_shapes
+    module, example = _build("flat_mlp", batch=8)
+    graph = ff.trace(module, example)
+    s = ff.Strategy.data_parallel(graph, ff.Machine.preset("cpu", devices=2))
+    assert check_partition_shapes(graph, s) > 0
+    rule = RULES["reshape"]
+    real = type(rule).compute
+    # a rule that gets a split wrong: the partition of a view computes twice its rows
+    monkeypatch.setattr(type(rule), "compute",
+                        lambda self, op, block, inputs, params: inputs[0].reshape(-1, op.output_shape[-1]).repeat(2, 1)
+                        if op.name == "view" else real(self, op, block, inputs, params))
+    t0 = time.perf_counter()
+    with pytest.raises(StrategyError, match=r"view \[view\].*computes a \(64, 16\) output where its region is \(32, 16\)"):
+        check_partition_shapes(graph, s)
+    assert time.perf_counter() - t0 < 10
