@@ -29,7 +29,8 @@ ALLOWED_OPAQUE = {
     "convnext": {"reshape"},  # layer scale (a parameter) reshaped
     "swin": {"getitem"},  # relative position bias gathered by index
     "efficientnet": set(), "mobilenetv3": set(),
-    "tv_resnet18": set(), "tv_mobilenet_v3_small": set(), "tv_convnext_tiny": set(),
+    "tv_resnet18": set(), "tv_mobilenet_v3_small": set(),
+    "tv_convnext_tiny": {"stochastic_depth"},  # torchvision's function: split by samples, proven at capture
 }
 BATCH_NORM = {"efficientnet", "mobilenetv3", "tv_resnet18", "tv_mobilenet_v3_small"}
 
