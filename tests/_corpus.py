@@ -216,3 +216,34 @@ CORPUS = {"nanogpt": NanoGPT, "shifted_lm": ShiftedLM, "flat_mlp": FlatMLP, "gro
           "seqfirst_encoder": SeqFirstEncoder, "seqfirst_layer": SeqFirstLayer, "seqfirst_mha": SeqFirstMHA,
           "seqfirst_mha_noweights": SeqFirstMHANoWeights,
           "seqfirst_rnns": SeqFirstRNNs, "layers": Layers}
+
+
+class MoreLayers(nn.Module):
+    """More of torch.nn in default layouts: transposed and 3-D convolutions, instance norm,
+    PReLU, upsampling, pixel shuffle, a bilinear layer, an embedding bag, local response norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 4, 2, stride=2)
+        self.inorm, self.prelu = nn.InstanceNorm2d(4, affine=True), nn.PReLU(4)
+        self.shuffle, self.lrn = nn.PixelShuffle(2), nn.LocalResponseNorm(2)
+        self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
+        self.c3 = nn.Conv3d(1, 2, 3, padding=1)
+        self.bag = nn.EmbeddingBag(V, 6, mode="mean")
+        self.bil = nn.Bilinear(6, 6, 4)
+        self.fc = nn.Linear(1 * 16 * 16 + 2 * 4 * 4 * 4 + 4, 3)
+
+    def forward(self, img, vol, ids, y):
+        a = self.lrn(self.shuffle(self.prelu(self.inorm(self.up(img)))))  # (N, 1, 8, 8) -> (N, 1, 8, 8)
+        a = self.upsample(a).flatten(1)  # (N, 256)
+        b = self.c3(vol).flatten(1)  # (N, 128)
+        e = self.bag(ids)
+        c = self.bil(e, torch.tanh(e))
+        return F.cross_entropy(self.fc(torch.cat([a, b, c], dim=1)), y)
+
+    def input_specs(self, batch):
+        return [InputSpec((batch, 3, 2, 2), "float"), InputSpec((batch, 1, 4, 4, 4), "float"),
+                InputSpec((batch, 5), "index", V), InputSpec((batch,), "index", 3)]
+
+
+CORPUS["more_layers"] = MoreLayers

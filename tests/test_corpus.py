@@ -8,7 +8,9 @@ module in one process (float32, 1e-5), losses and every parameter after 3 SGD st
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +170,33 @@ def test_a_plan_whose_partitions_compute_other_shapes_is_refused_at_setup(monkey
     with pytest.raises(StrategyError, match=r"view \[view\].*computes a \(64, 16\) output where its region is \(32, 16\)"):
         check_partition_shapes(graph, s)
     assert time.perf_counter() - t0 < 10
+
+
+def test_trace_command_names_the_ops_that_run_whole_and_why(tmp_path, capsys):
+    from flexflow.cli import main
+    f = tmp_path / "seqfirst.py"
+    f.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from _corpus import SeqFirstEncoder\n"
+        "from flexflow.models._common import make_inputs\n"
+        "def build():\n"
+        "    m = SeqFirstEncoder()\n"
+        "    return m, make_inputs(m.input_specs(4), seed=0, device='cpu', dtype=torch.float32)\n")
+    assert main(["trace", f"{f}:build"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 4" in out and "ops that cannot split the batch" in out
+    assert "view: the reshape merges the batch into a dim after another" in out
+    assert main(["trace", f"{f}:build", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert set(js["whole"]) == {"view", "view_1", "cross_entropy"}
+
+
+def test_parallelize_takes_batch_dim_in_one_process():
+    module, example = _build("seqfirst_layer", batch=4)
+    ref = float(module(*example))
+    par = ff.parallelize(module, example_inputs=example, batch_dim=1)
+    assert par.runtime.graph.op("emb").sample_dim.axis == 1
+    assert abs(float(par(*example)) - ref) <= 1e-6 * abs(ref)
+    with pytest.raises(BatchDimError, match="does not index"):
+        ff.parallelize(module, example_inputs=example, batch_dim=[1, 7])
