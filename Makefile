@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 
 EXT := .venv-ext
 
-.PHONY: test test-ext demo install clean
+.PHONY: test test-ext demo docs install clean
 
 $(BIN)/flexflow: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,15 @@ test-ext: $(EXT)/bin/flexflow
 
 demo: install
 	$(BIN)/python examples/demo.py
+
+# The docs site (MkDocs, Material theme, API pages from the docstrings) in build/site;
+# --strict: a broken link or a missing page fails the build.
+$(BIN)/mkdocs: pyproject.toml $(BIN)/flexflow
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,docs]'
+	touch $(BIN)/mkdocs
+
+docs: $(BIN)/mkdocs
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) $(EXT) build *.egg-info

@@ -1,9 +1,10 @@
 """`make demo`: what flexflow is for, in two parts.
 
-1. Plan (simulated): search a strategy for AlexNet on a 16-GPU P100 cluster
-   and set it against every baseline: iteration time, bytes moved, memory per
-   device, the layers that changed; write the strategy, its Perfetto timeline
-   and a picture of it.
+1. Plan (simulated): LLaMA-8B on 16 H100s, built on the meta device, planned
+   against FSDP, Megatron-style tensor parallelism and FSDP x TP: step time,
+   tokens/s per GPU, MFU, memory per GPU; the plan layer by layer, its
+   picture (devices x layers) and the simulated step's timeline.  (The
+   paper's AlexNet plan is examples/alexnet_plan.py.)
 2. Real (measured): train a model whose parameters dominate on 2 local
    processes with plain DistributedDataParallel, flexflow data parallel and
    flexflow's searched strategy, in alternating rounds; print steps/s, the
@@ -26,96 +27,65 @@ sys.path.insert(0, str(HERE.parent / "benchmarks"))
 
 import flexflow as ff  # noqa: E402
 import real_speedup  # noqa: E402
-from strategy_picture import draw_strategy  # noqa: E402
+from alexnet_plan import _print_changes, changed_layers  # noqa: E402,F401 (changed_layers: the tests')
+from plan_pictures import draw_layers, draw_timeline, layer_rows  # noqa: E402
 
 NOISY = 0.20  # a spread over rounds above this share of the median is called noisy
 LOSS_RTOL = 1e-5
 
 
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f}"
+GiB = 2**30
 
 
-def _memory(result) -> str:
-    """Peak memory per device in GB: one figure, or the range over devices."""
-    lo, hi = min(result.peak_memory), max(result.peak_memory)
-    text = _gb(hi) if hi - lo < 5e6 else f"{_gb(lo)}-{_gb(hi)}"
-    return text + ("" if result.feasible else " > capacity")
-
-
-def changed_layers(graph, strategy, baseline) -> list[tuple[str, list[str], str, str]]:
-    """The ops whose config differs from ``baseline``, grouped by layer: an op
-    belongs to the module that ran it, or to the last module before it (a relu
-    after fc1 belongs to fc1).  Rows ``(layer, op names, config, baseline config)``,
-    one per layer and config, in graph order."""
-    rows, layer = [], ""
-    for op in graph.compute_ops:
-        layer = op.module_path or layer or op.name
-        new, old = strategy[op.name], baseline[op.name]
-        if new == old:
-            continue
-        if rows and rows[-1][0] == layer and rows[-1][2] == str(new) and rows[-1][3] == str(old):
-            rows[-1][1].append(op.name)
-        else:
-            rows.append((layer, [op.name], str(new), str(old)))
-    return rows
-
-
-def _print_changes(graph, strategy, baseline, indent="   ") -> None:
-    rows = changed_layers(graph, strategy, baseline)
-    if not rows:
-        print(f"{indent}every op as in data parallelism")
-        return
-    width = max(len(", ".join(r[1])) for r in rows)
-    print(f"{indent}{'layer':<10}{'ops':<{width + 2}}{'searched':<18}data parallel")
-    for layer, names, new, old in rows:
-        print(f"{indent}{layer:<10}{', '.join(names):<{width + 2}}{new:<18}{old}")
-
-
-# --------------------------------------------------------------------------- plan
 def plan(budget_s: float, out: Path) -> None:
-    machine = ff.Machine.preset("p100-cluster")
-    n = machine.num_devices
-    module, inputs = ff.models.get("alexnet", batch_size=256 * n, device="meta")
+    """LLaMA-8B planned on 16 simulated H100s against FSDP, Megatron-style tensor
+    parallelism and FSDP x TP; the plan's pictures and timeline written to ``out``."""
+    gpus, seq, per_gpu = 16, 4096, 2
+    module, inputs = ff.models.get("llama", size="8b", seq_len=seq, batch_size=per_gpu * gpus, device="meta")
+    machine = ff.Machine.preset("h100-cluster", devices=gpus)
+    params = sum(p.numel() for p in module.parameters())
+    print(f"== Plan: LLaMA-8B ({params / 1e9:.1f}B parameters, built on the meta device: no memory), "
+          f"{per_gpu * gpus} sequences of {seq} tokens a step,")
+    print(f"   on {gpus} simulated H100s ({machine.num_nodes} nodes of 8, NVSwitch, a 400 Gb/s NIC per GPU); "
+          "bf16 mixed precision, AdamW")
+    t0 = time.perf_counter()
+    found = ff.plan(module, machine, inputs, budget=budget_s, optimizer="adam", precision="bf16-mixed")
     graph = ff.trace(module, inputs)
-    print(f"== Plan: AlexNet, batch {graph.batch_size}, on the simulated cluster '{machine.name}'")
-    for line in machine.describe().splitlines()[1:]:
-        print("   " + line.strip())
-    print(f"   {len(graph.compute_ops)} ops; strategy space 10^{ff.strategy.strategy_space_log10(graph, machine):.0f}")
-    found = ff.search(graph, machine, budget=budget_s, seed=0)
-    print(f"   search: {found.evaluations} strategies simulated in {found.seconds:.1f} s "
-          f"(budget {budget_s:g} s, baselines included)")
-    dp = found.baselines["data_parallel"]
-    rows = list(found.baselines.items()) + [("searched", found.result)]
-    print(f"\n   {'strategy':<16}{'iteration':>11}{'x data par.':>13}{'moved GB':>10}{'sync GB':>9}"
-          f"   peak GB per device")
+    strategy = found.bind(graph)
+    print(f"   planned in {time.perf_counter() - t0:.0f} s: {found.evaluations} strategies simulated "
+          f"(budget {budget_s:g} s)\n")
+    rows = [(f"plan ({found.chosen})", found.predicted)]
+    rows += [(k, found.baselines[k]) for k in ("fsdp", "megatron", "fsdp_tp", "data_parallel")
+             if k in found.baselines]
+    print(f"   {'strategy':<22}{'step s':>8}{'tok/s/GPU':>11}{'MFU':>7}{'GiB/GPU':>9}  fits 80 GB")
     for name, r in rows:
-        print(f"   {name:<16}{r.iteration_time * 1e3:>9.1f}ms{dp.iteration_time / r.iteration_time:>12.2f}x"
-              f"{_gb(r.comm_bytes):>10}{_gb(r.sync_bytes):>9}   {_memory(r)}")
-    best_name, best = min(found.baselines.items(), key=lambda kv: kv[1].iteration_time)
-    gain = best.iteration_time / found.result.iteration_time
-    if gain > 1:
-        print(f"   searched beats every baseline: {(gain - 1) * 100:.2f}% faster than the best ({best_name}), "
-              f"{dp.iteration_time / found.result.iteration_time:.2f}x data parallel")
-    else:
-        print(f"   searched equals the best baseline ({best_name}): the search found nothing better "
-              f"in {budget_s:g} s; {dp.iteration_time / found.result.iteration_time:.2f}x data parallel")
-    print("   (moved: activations and their gradients between devices; sync: parameter gradients)")
-
-    print("\n   what changed against data parallelism (S: samples, C: out-channels/features, "
-          "@: devices):")
-    _print_changes(graph, found.strategy, found.baseline_strategies["data_parallel"])
+        print(f"   {name:<22}{r.iteration_time:>8.2f}{r.tokens_per_s_per_device:>11,.0f}{r.mfu:>7.1%}"
+              f"{max(r.peak_memory) / GiB:>9.1f}  {'yes' if r.feasible else 'no'}")
+    print("   (megatron: tensor parallelism over the 8 GPUs of a node, data parallelism across nodes; "
+          "fsdp_tp: the same\n   with every parameter sharded among its replicas; every figure simulated)")
+    print("\n   the plan, layer by layer (the most common split of each layer's ops):")
+    seen = []
+    for layer, split, devices in layer_rows(graph, strategy):
+        if seen and seen[-1][1] == split and seen[-1][2] == len(devices):
+            seen[-1][0].append(layer)
+        else:
+            seen.append(([layer], split, len(devices)))
+    for layers, split, n in seen:
+        span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
+        print(f"   {span:<28}{split:<14}on {n} devices")
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "alexnet_p100x16.json").write_text(found.strategy.to_json())
-    found.result.to_chrome_trace(out / "alexnet_p100x16_trace.json")
-    draw_strategy(graph, machine, found.strategy, out / "alexnet_p100x16.png",
-                  baseline=found.baseline_strategies["data_parallel"],
-                  title=f"AlexNet, batch {graph.batch_size}, {n} P100s: searched strategy, "
-                        f"{found.result.iteration_time * 1e3:.1f} ms/iteration simulated "
-                        f"(data parallel {dp.iteration_time * 1e3:.1f} ms)")
-    print(f"\n   wrote {out}/alexnet_p100x16.json (strategy), alexnet_p100x16_trace.json "
-          f"(timeline: open in ui.perfetto.dev), alexnet_p100x16.png (picture)")
+    (out / "llama8b_h100x16_plan.json").write_text(found.to_json())
+    draw_layers(graph, machine, strategy, out / "llama8b_h100x16_plan.png",
+                title=f"LLaMA-8B on {gpus} H100s: the plan ({found.chosen}), "
+                      f"{found.predicted.tokens_per_s_per_device:,.0f} tokens/s per GPU simulated")
+    sim = ff.Simulator(graph, machine, optimizer="adam", precision="bf16-mixed")
+    result = sim.simulate(strategy, incremental=False)
+    result.to_chrome_trace(out / "llama8b_h100x16_trace.json")
+    draw_timeline(result, out / "llama8b_h100x16_timeline.png",
+                  title=f"one simulated step ({result.iteration_time:.2f} s): the first devices and links")
+    print(f"\n   wrote {out}/llama8b_h100x16_plan.json (plan), llama8b_h100x16_plan.png (picture), "
+          f"llama8b_h100x16_timeline.png and _trace.json (timeline: open in ui.perfetto.dev)")
 
 
 # --------------------------------------------------------------------------- real
@@ -175,7 +145,7 @@ def real(budget_s: float, steps: int, rounds: int, check_steps: int) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=8.0, help="search seconds for the plan part")
+    p.add_argument("--budget", type=float, default=6.0, help="search seconds for the plan part")
     p.add_argument("--real-budget", type=float, default=3.0, help="search seconds for the real part")
     p.add_argument("--steps", type=int, default=3, help="SGD steps per round")
     p.add_argument("--rounds", type=int, default=4, help="alternating rounds per contender")

@@ -8,6 +8,7 @@ from flexflow.strategy.regions import partitions
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import demo  # noqa: E402
+import alexnet_plan  # noqa: E402,F401
 from strategy_picture import block_label, draw_strategy  # noqa: E402
 
 
@@ -46,3 +47,22 @@ def test_draw_strategy_writes_a_png(tmp_path):
     path = tmp_path / "s.png"
     draw_strategy(graph, machine, ff.Strategy.random(graph, machine, seed=2), path, baseline=dp, title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layer_rows_and_pictures_of_a_language_model(tmp_path):
+    from plan_pictures import draw_layers, draw_timeline, layer_rows
+    module, inputs = ff.models.get("llama", size="small", batch_size=8)
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.preset("h100-cluster", devices=16)
+    fsdp = ff.Strategy.fsdp(graph, machine)
+    rows = layer_rows(graph, fsdp)
+    names = [r[0] for r in rows]
+    blocks = sorted({op.module_path.split(".")[1] for op in graph.compute_ops
+                     if op.module_path.startswith("layers.")}, key=int)
+    assert [n for n in names if n.startswith("layers.")] == [f"layers.{b}" for b in blocks]
+    assert all(split.startswith("S") and len(devices) == 8 for _, split, devices in rows if _ != "loss")
+    draw_layers(graph, machine, fsdp, tmp_path / "plan.png", title="t")
+    result = ff.Simulator(graph, machine).simulate(fsdp, incremental=False)
+    draw_timeline(result, tmp_path / "timeline.png", title="t")
+    for name in ("plan.png", "timeline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
