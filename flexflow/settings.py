@@ -1,7 +1,7 @@
 """Every setting flexflow reads from the environment, in one place.
 
 Each is read when it is asked for (not at import), so a test or a launcher may set
-it first.  The README lists them.
+it first.  docs/install.md lists them (Settings).
 
 | variable                  | default                         | what it does                                   |
 | ------------------------- | ------------------------------- | ---------------------------------------------- |

@@ -20,7 +20,7 @@ from flexflow.strategy.localrun import run_graph
 import _foreign as Fo
 
 TOL = 1e-5
-# ops that stay opaque, and why (README "Models from libraries")
+# ops that stay opaque, and why (docs/libraries.md)
 ALLOWED_OPAQUE = {
     "gpt2": set(), "llama": set(),
     "bert": {"index"},  # the padding mask gathered with absolute batch indices

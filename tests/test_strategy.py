@@ -338,7 +338,7 @@ def test_a_loss_over_a_middle_class_dim_runs_class_last_with_the_same_values(red
     module = _SeqLoss(reduction, fn)
     x, t = torch.randn(4, 7, 6), torch.randint(0, 5, (4, 7))
     if reduction != "mean":
-        t[0, :3] = 3  # ignore_index (a split 'mean' assumes none, README: Limitations)
+        t[0, :3] = 3  # ignore_index (a split 'mean' assumes none, docs/limitations.md)
     graph = ff.trace(module, (x, t))
     loss = next(op for op in graph.ops if op.rule == "loss")
     assert loss.input_shapes[0] == (4, 5, 7)

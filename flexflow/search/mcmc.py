@@ -158,7 +158,7 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             # data parallelism does not fit are fsdp, megatron and fsdp_tp built and simulated
             # (where it fits, the search keeps to the plain space: the simulator's sync order
             # favours sharded clusters over a data-parallel bucket chain by more than a real
-            # run would, see the README's limits; and the zoo's models that fit train fastest
+            # run would, see docs/limitations.md; and the zoo's models that fit train fastest
             # without tensor parallelism)
             base.update(memory_baselines(graph, machine, shard=shard, data_parallel=base["data_parallel"]))
         base_res.update({k: _simulate_on(base_sims, k, s, make_sim) for k, s in base.items() if k not in base_res})
