@@ -341,7 +341,7 @@ def check_finalists(finalists, finalist_steps) -> None:
 def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, budget: float = 30.0,
          optimizer: str = "sgd", precision: str = "32-true", seed: int = 0, evaluations: int | None = None,
          min_gain: float = MIN_PREDICTED_GAIN, cost_model=None, shard: bool = True, finalists: int = FINALISTS,
-         finalist_steps: int = FINALIST_STEPS, batch_dim=None) -> Plan:
+         finalist_steps: int = FINALIST_STEPS, batch_dim=None, measure: bool = False) -> Plan:
     """Trace ``module`` on ``example_inputs`` and search a strategy for ``machine``
     (:func:`flexflow.search` for ``budget`` seconds, or ``evaluations``): a :class:`Plan`.
 
@@ -351,13 +351,18 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     :func:`flexflow.search`'s ``shard`` and ``recompute``).
 
     ``finalists``: the plan lists the search's best few distinct strategies with their
-    predictions (data parallelism among them).  With the devices at hand -- called on every
-    rank of a process group of at least ``machine.num_devices`` ranks on devices of the
+    predictions (data parallelism among them).  With ``measure=True`` and the devices at hand
+    -- called on every rank of a process group of at least ``machine.num_devices`` ranks on devices of the
     machine's kind, with a module of real tensors -- the call is collective: rank 0 searches
     (its host's cost model and corrections unless ``cost_model`` is given), every finalist
     runs ``finalist_steps`` timed training steps on ranks 0..n-1, the fastest measured is
     the plan (:func:`measure_plan`), and within ``budget`` (a quarter kept for measuring).
     ``finalists`` 0 or 1: no finalists, no measurement.
+
+    ``measure``: planning joins no collective unless asked.  With ``measure=True``, called
+    on every rank of a process group with the devices at hand (as above), the finalists are
+    measured as :func:`flexflow.parallelize` measures them; without it the plan is the
+    simulator's, whatever process group is running (rank 0 may plan alone and broadcast).
 
     ``batch_dim``: which dim of each input is the batch (:func:`flexflow.trace`; default:
     inferred from the graph)."""
@@ -373,8 +378,15 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     t0 = time.perf_counter()
     graph = trace(module, example_inputs, example_kwargs, batch_dim=batch_dim)
     from .finalists import not_runnable
-    at_hand = finalists > 1 and not_runnable(None, precision) is None
+    if not isinstance(measure, bool):
+        raise TypeError(f"measure must be True or False, got {measure!r}")
+    at_hand = measure and finalists > 1 and not_runnable(None, precision) is None
     device = _devices_at_hand(machine, module) if at_hand else None
+    if measure and finalists > 1 and device is None:
+        raise ValueError(
+            f"plan(measure=True) measures the finalists on the devices: call it on every rank of a process "
+            f"group of at least {machine.num_devices} ranks on {machine.spec.kind} devices, with a module of "
+            f"real tensors (not on the meta device){'' if not_runnable(None, precision) is None else ', in a precision the executor runs'}")
     args = {"budget": budget, "seed": seed, "evaluations": evaluations, "optimizer": optimizer,
             "precision": precision, "min_gain": min_gain, "shard": shard, "finalists": finalists}
     if device is None:

@@ -104,7 +104,7 @@ def learning(rank: int, fail: str) -> dict:
     finally:
         measure_module._Run.steps = steps
     ref = copy.deepcopy(module)
-    planned = ff.plan(module, machine, batch, evaluations=20, finalist_steps=2)
+    planned = ff.plan(module, machine, batch, evaluations=20, finalist_steps=2, measure=True)
     return {"first": first.plan.to_json(), "second": second.plan.to_json(),
             "stored": stored.factors(), "path": os.path.exists(corrections_path(machine)),
             "warnings": [str(w.message) for w in caught],

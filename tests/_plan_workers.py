@@ -52,3 +52,16 @@ def run_plan(rank: int, plan_json: str, other_json: str) -> dict:
     except StrategyError as e:
         out["refused"] = str(e)
     return out
+
+
+def plan_on_rank0_then_broadcast(rank: int) -> dict:
+    """Rank 0 plans alone inside the 2-process group (as a user plans once and broadcasts);
+    ``ff.plan`` must join no collective of the group, so rank 1's broadcast receives it."""
+    import torch.distributed as dist
+    module, batch = tiny()
+    box = [None]
+    if rank == 0:
+        box = [ff.plan(module, ff.Machine.preset("cpu", devices=2), batch, evaluations=20).to_json()]
+    dist.broadcast_object_list(box, src=0)
+    plan = ff.Plan.from_json(box[0])
+    return {"type": type(box[0]).__name__, "chosen": plan.chosen}

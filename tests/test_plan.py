@@ -6,6 +6,7 @@ import pytest
 import flexflow as ff
 from flexflow.strategy import StrategyError
 
+import _plan_workers as W
 from _plan_workers import run_plan, tiny
 
 
@@ -63,3 +64,17 @@ def test_parallelize_runs_a_plan_made_elsewhere():
         assert r["chosen"] == p2.chosen and r["same_graph"]
         assert ff.Strategy.from_json(r["strategy"], ff.trace(module, batch)) == p2.strategy
         assert r["refused"] is not None and "made for 4 devices" in r["refused"]
+
+
+@pytest.mark.slow
+def test_plan_on_one_rank_joins_no_collective():
+    res = ff.launch(W.plan_on_rank0_then_broadcast, 2, timeout_s=120)
+    assert [r["type"] for r in res] == ["str", "str"] and res[0]["chosen"] == res[1]["chosen"]
+
+
+def test_plan_measures_only_when_asked_and_where_it_can():
+    module, batch = W.tiny()
+    with pytest.raises(ValueError, match=r"plan\(measure=True\) measures the finalists on the devices"):
+        ff.plan(module, ff.Machine.preset("cpu", devices=2), batch, evaluations=10, measure=True)
+    with pytest.raises(TypeError, match="measure must be True or False"):
+        ff.plan(module, ff.Machine.preset("cpu", devices=2), batch, evaluations=10, measure="yes")
