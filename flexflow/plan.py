@@ -150,6 +150,8 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_json(self) -> str:
+        """The plan as JSON: the strategy, the predictions, the baselines, the finalists, the
+        machine and the graph's fingerprint."""
         return json.dumps({
             "format": FORMAT, "version": VERSION, "chosen": self.chosen, "optimizer": self.optimizer,
             "precision": self.precision, "min_gain": self.min_gain, "search_seconds": self.search_seconds,
@@ -162,6 +164,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """A plan from ``to_json``'s text (its strategy is bound to a graph when it is run:
+        :meth:`bind`)."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

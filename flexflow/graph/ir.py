@@ -141,6 +141,8 @@ class Op:
         return {d.name: d.kind for d in self.dims}
 
     def dim(self, name: str) -> Dim:
+        """The parallel dim named ``name`` (a clear ``KeyError`` listing the op's dims
+        otherwise)."""
         for d in self.dims:
             if d.name == name:
                 return d
@@ -149,10 +151,12 @@ class Op:
 
     @property
     def output_bytes(self) -> int:
+        """Bytes of the op's whole output."""
         return math.prod(self.output_shape) * dtype_bytes(self.dtype)
 
     @property
     def param_bytes(self) -> int:
+        """Bytes of the op's parameters."""
         return sum(math.prod(s) for s in self.param_shapes.values()) * dtype_bytes(self.dtype)
 
     @property
@@ -161,6 +165,7 @@ class Op:
         return self.share_group or self.name
 
     def describe(self) -> str:
+        """The op for messages: name, kind, module and source line."""
         where = f" at {self.source}" if self.source else ""
         mod = f" ({self.module_path})" if self.module_path else ""
         return f"{self.name} [{self.kind}]{mod}{where}"
@@ -220,6 +225,7 @@ class OpGraph:
         return name in self._by_name
 
     def op(self, name: str) -> Op:
+        """The op named ``name`` (a clear ``KeyError`` when there is none)."""
         try:
             return self._by_name[name]
         except KeyError:
@@ -231,6 +237,7 @@ class OpGraph:
         return [op for op in self.ops if not op.everywhere]
 
     def output_names(self) -> list[str]:
+        """The names of the ops at the leaves of the module's output structure, in order."""
         names: list[str] = []
 
         def walk(x):
@@ -247,6 +254,7 @@ class OpGraph:
 
     @property
     def param_bytes(self) -> int:
+        """Bytes of the model's parameters (each counted once)."""
         seen: dict[str, int] = {}
         for op in self.ops:
             for local, qual in op.params.items():

@@ -204,6 +204,7 @@ class Machine:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def preset_names(cls) -> list[str]:
+        """The names of the machine presets."""
         return list(_PRESETS)
 
     @classmethod
@@ -366,6 +367,7 @@ class Machine:
 
     # ---- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The machine as a plain dict (devices, nodes, links), as its JSON file holds it."""
         link = lambda ls: None if ls is None else {k: v for k, v in dataclasses.asdict(ls).items()
                                                    if v is not None}
         d = {"name": self.name, "nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
@@ -378,6 +380,7 @@ class Machine:
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
+        """The machine as JSON (``Machine.from_json`` reads it back)."""
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
@@ -428,6 +431,7 @@ class Machine:
 
     @classmethod
     def from_json(cls, text: str) -> "Machine":
+        """A machine from its JSON text: a cluster you describe yourself."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -435,10 +439,12 @@ class Machine:
         return cls.from_dict(d)
 
     def save(self, path) -> None:
+        """Write the machine's JSON to ``path``."""
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
     def load(cls, path) -> "Machine":
+        """A machine read from a JSON file written by ``save`` (or by hand)."""
         text = Path(path).read_text()  # OSError as is
         try:
             return cls.from_json(text)
@@ -457,6 +463,7 @@ class Machine:
                 f"{self.intra_node.kind} {_si(self.intra_node.bandwidth_Bps)}B/s{inter})")
 
     def describe(self) -> str:
+        """A few lines on the machine: devices, nodes, links."""
         s, a, e = self.spec, self.intra_node, self.inter_node
         flops = ", ".join(f"{k} {_si(v)}FLOP/s" for k, v in s.peak_flops.items())
         lines = [f"machine {self.name} [{self.fingerprint()}]",

@@ -95,14 +95,17 @@ class ParallelModule(nn.Module):
 
     @property
     def runtime(self) -> Runtime:
+        """This rank's runtime: its program, groups and shards."""
         return self._runtime
 
     @property
     def strategy(self) -> Strategy:
+        """The strategy this module runs."""
         return self._runtime.strategy
 
     @property
     def graph(self):
+        """The traced graph of the original module."""
         return self._runtime.graph
 
     def program(self) -> str:
@@ -110,6 +113,8 @@ class ParallelModule(nn.Module):
         return describe(self._runtime)
 
     def forward(self, *inputs, **kwargs):
+        """The original module's forward on the global inputs (the same on every rank); returns
+        its outputs on every rank."""
         if torch.is_grad_enabled():  # the backward of this forward synchronizes or not
             self._runtime.sync.skip = not self.require_backward_grad_sync
         return self._runtime.run(self._runtime.graph.flat_inputs(inputs, kwargs))
@@ -150,6 +155,7 @@ class ParallelModule(nn.Module):
             self.require_backward_grad_sync = old
 
     def train(self, mode: bool = True):
+        """Train or eval mode, as ``nn.Module.train``, on this rank's shards."""
         super().train(mode)
         self._module.train(mode)
         return self

@@ -207,6 +207,7 @@ class SearchResult:
                 "proposals": {"simulated": self.simulations, "cut": self.cut, "screened": self.screened}}
 
     def summary(self) -> str:
+        """The searched strategy against the baselines, as a table."""
         lines = [(f"best: {self.result.iteration_time * 1e3:.3f} ms/iteration ({self.source}), "
                   f"{self.evaluations} evaluations in {self.seconds:.1f} s (baselines "
                   f"{self.baseline_seconds:.1f} s, {self.start_simulations + self.start_screened} chain starts "

@@ -185,6 +185,9 @@ class Simulator:
 
     # ---- public ---------------------------------------------------------------------------
     def simulate(self, strategy, incremental: bool = True) -> SimResult:
+        """One training step of ``strategy``, simulated: a :class:`SimResult`.
+        ``incremental=True`` patches the previous call's task graph (delta simulation);
+        ``False`` simulates from scratch; both give the same result."""
         return self._simulate_gc(strategy, incremental, NO_LIMIT)
 
     def simulate_within(self, strategy, limit_s: float, incremental: bool = True) -> SimResult | None:

@@ -83,31 +83,39 @@ class ParallelConfig:
 
     @property
     def degrees(self) -> dict[str, int]:
+        """Dim name -> degree (dims of degree 1 left out)."""
         return dict(self._degrees)
 
     @property
     def devices(self) -> tuple[int, ...]:
+        """The device of each partition, partition k on ``devices[k]``."""
         return self._devices
 
     @property
     def shard(self) -> int:
+        """The shard level (0-3, the ZeRO stages) of the op's parameter replicas."""
         return self._shard
 
     @property
     def recompute(self) -> bool:
+        """Whether the op's output is recomputed in the backward instead of kept."""
         return self._recompute
 
     def with_shard(self, shard: int) -> "ParallelConfig":
+        """The same config at shard level ``shard``."""
         return ParallelConfig(dict(self._degrees), self._devices, shard, self._recompute)
 
     def with_recompute(self, recompute: bool = True) -> "ParallelConfig":
+        """The same config with recomputation on (or off)."""
         return ParallelConfig(dict(self._degrees), self._devices, self._shard, recompute)
 
     @property
     def num_partitions(self) -> int:
+        """The number of partitions (the product of the degrees)."""
         return len(self._devices)
 
     def degree(self, dim: str) -> int:
+        """The degree of dim ``dim`` (1 when it is not split)."""
         return dict(self._degrees).get(dim, 1)
 
     def __eq__(self, other):
@@ -129,6 +137,7 @@ class ParallelConfig:
         return f"{degs} @{format_devices(self._devices)}"
 
     def to_dict(self) -> dict:
+        """The config as a plain dict (as the strategy JSON holds it)."""
         d = {"degrees": dict(self._degrees), "devices": list(self._devices)}
         if self._shard:
             d["shard"] = self._shard
@@ -138,6 +147,7 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":
+        """A config from ``to_dict``'s dict."""
         if not isinstance(d, dict) or "devices" not in d:
             raise StrategyError(f"a config needs 'degrees' and 'devices', got {d!r}")
         return cls(d.get("degrees", {}), d["devices"], d.get("shard", 0), d.get("recompute", False))

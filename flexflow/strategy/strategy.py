@@ -94,6 +94,7 @@ class Strategy(Mapping):
         return self._derive(configs, name=name)
 
     def devices_used(self) -> set[int]:
+        """The devices that some op of the strategy runs on, in order."""
         return {d for c in self._configs.values() for d in c.devices}
 
     def check(self, machine) -> None:
@@ -115,6 +116,9 @@ class Strategy(Mapping):
 
     # JSON
     def to_json(self) -> str:
+        """The strategy as JSON: per op its degrees, devices, shard level and recomputation,
+        with the graph's fingerprint and the machine's size (``Strategy.from_json`` reads it
+        back)."""
         return json.dumps({
             "format": "flexflow-strategy", "version": 1, "name": self.name,
             "graph": self.graph.fingerprint(), "machine": self.machine_fingerprint,
@@ -124,6 +128,9 @@ class Strategy(Mapping):
 
     @classmethod
     def from_json(cls, text: str, graph: OpGraph, machine=None) -> "Strategy":
+        """A strategy from ``to_json``'s text, bound to ``graph`` (and checked against
+        ``machine`` when given); a strategy written for another graph or machine is a
+        :class:`StrategyError` that says why."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
