@@ -96,6 +96,24 @@ class Plan:
             return self.strategy
         return Strategy.from_json(self.strategy_json, graph)
 
+    def native(self, graph=None) -> dict:
+        """The plan in torch's terms (FSDP2, DTensor tensor parallelism, checkpointing on one
+        device mesh): :func:`flexflow.native.native_plan`.  ``graph``: a trace of the module,
+        for a plan read from JSON.  A plan outside that family is a :class:`StrategyError`
+        naming the first op that does not map and why."""
+        from .native import native_plan
+        strategy = self.strategy if graph is None else self.bind(graph)
+        if strategy is None:
+            raise ValueError("this plan was read from JSON: give its graph, plan.native(ff.trace(model, inputs))")
+        return native_plan(strategy.graph, strategy, self.precision)
+
+    def parallelize_fn(self, graph=None):
+        """``fn(model, device_mesh) -> model`` applying :meth:`native` with torch's engines (the
+        signature of Lightning's ``ModelParallelStrategy`` and torchtitan's parallelize
+        functions); the mesh has the shape and dim names of ``native()["mesh"]``."""
+        from .native import parallelize_fn
+        return parallelize_fn(self.native(graph))
+
     def check_devices(self, machine: Machine | None, num_devices: int) -> None:
         """Refuse to run on another number of devices, or on devices of another kind than the
         plan's machine (a cpu plan on GPUs, an H100 plan on A100s)."""
@@ -193,6 +211,23 @@ def choose(found, min_gain: float) -> tuple[Strategy, SimResult, str]:
             and found.result.iteration_time > dp.iteration_time * (1 - min_gain)):
         return found.baseline_strategies["data_parallel"], dp, "data_parallel"
     return found.strategy, found.result, found.source
+
+
+def given_plan(graph, machine: Machine, strategy, *, cost_model=None, optimizer: str = "sgd",
+               precision: str = "32-true", t0: float | None = None) -> Plan:
+    """The :class:`Plan` of a given strategy on ``graph``: it and the baselines simulated."""
+    from .search.baselines import baseline_strategies
+    from .search.common import _simulator
+    t0 = time.perf_counter() if t0 is None else t0
+    text = strategy if isinstance(strategy, str) else strategy.to_json()
+    bound = Strategy.from_json(text, graph, machine)
+    name = getattr(strategy, "name", None) or "given"
+    sim = _simulator(graph, machine, cost_model, optimizer, precision=precision)
+    baselines = {k: sim.simulate(b, incremental=False)
+                 for k, b in baseline_strategies(graph, machine, cost_model).items()}
+    predicted = sim.simulate(bound, incremental=False)
+    return Plan(rebind(bound, machine), predicted, baselines, machine, graph.fingerprint(), name, optimizer,
+                precision, 0.0, time.perf_counter() - t0, 0)
 
 
 def searched_plan(graph, machine: Machine, *, cost_model=None, corrections: Corrections | None = None,
@@ -345,7 +380,8 @@ def check_finalists(finalists, finalist_steps) -> None:
 def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, budget: float = 30.0,
          optimizer: str = "sgd", precision: str = "32-true", seed: int = 0, evaluations: int | None = None,
          min_gain: float = MIN_PREDICTED_GAIN, cost_model=None, shard: bool = True, finalists: int = FINALISTS,
-         finalist_steps: int = FINALIST_STEPS, batch_dim=None, measure: bool = False) -> Plan:
+         finalist_steps: int = FINALIST_STEPS, batch_dim=None, measure: bool = False,
+         strategy=None) -> Plan:
     """Trace ``module`` on ``example_inputs`` and search a strategy for ``machine``
     (:func:`flexflow.search` for ``budget`` seconds, or ``evaluations``): a :class:`Plan`.
 
@@ -368,6 +404,9 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     measured as :func:`flexflow.parallelize` measures them; without it the plan is the
     simulator's, whatever process group is running (rank 0 may plan alone and broadcast).
 
+    ``strategy``: the plan of this strategy (a :class:`Strategy` of a trace of ``module``, or
+    its JSON), simulated with the baselines; no search, no measurement.
+
     ``batch_dim``: which dim of each input is the batch (:func:`flexflow.trace`; default:
     inferred from the graph)."""
     if example_inputs is None and example_kwargs:
@@ -381,6 +420,9 @@ def plan(module, machine: Machine, example_inputs=None, *, example_kwargs=None, 
     check_finalists(finalists, finalist_steps)
     t0 = time.perf_counter()
     graph = trace(module, example_inputs, example_kwargs, batch_dim=batch_dim)
+    if strategy is not None:
+        return given_plan(graph, machine, strategy, cost_model=cost_model, optimizer=optimizer,
+                          precision=precision, t0=t0)
     from .finalists import not_runnable
     if not isinstance(measure, bool):
         raise TypeError(f"measure must be True or False, got {measure!r}")

@@ -12,7 +12,7 @@ PKG = Path(ff.__file__).parent
 # Lowest first.  A module belongs to the layer of its first name under flexflow/
 # (flexflow.sim.plans -> "sim"); flexflow/__init__.py is the top.
 LAYERS = ["settings", "graph", "strategy", "hardware", "cost", "sim", "search", "runtime", "calibrate",
-          "finalists", "plan", "models", "launch", "api", "cli", "flexflow"]
+          "finalists", "native", "plan", "models", "launch", "api", "cli", "flexflow"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 

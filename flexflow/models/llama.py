@@ -96,15 +96,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.heads * hd, cfg.width, bias=False)
 
     def forward(self, x, cos, sin):
+        # heads counted from the projections' widths (-1), not from self.heads: under
+        # torch's tensor parallelism (plan.parallelize_fn) a rank holds a slice of the heads
         B, T, D = x.shape[0], x.shape[1], x.shape[2]
-        H, G = self.heads, self.kv_heads
-        q = rotate(self.wq(x).view(B, T, H, D // H), cos, sin)
-        k = rotate(self.wk(x).view(B, T, G, D // H), cos, sin)
-        v = self.wv(x).view(B, T, G, D // H)
-        k, v = repeat_kv(k, H // G), repeat_kv(v, H // G)
+        hd = D // self.heads
+        q = rotate(self.wq(x).view(B, T, -1, hd), cos, sin)
+        k = rotate(self.wk(x).view(B, T, -1, hd), cos, sin)
+        v = self.wv(x).view(B, T, -1, hd)
+        rep = self.heads // self.kv_heads
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)  # (B, H, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, D))
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):

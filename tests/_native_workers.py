@@ -1,0 +1,61 @@
+"""Workers for tests/test_native.py: a plan handed to torch's own engines (FSDP2, DTensor
+tensor parallelism) through ``plan.parallelize_fn``, trained and compared with the plain
+module in one process."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import flexflow as ff
+
+STEPS = 3
+LR = 0.05
+
+
+def _batch(step: int, batch: int, cfg):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=g)
+    return ids, torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=g)
+
+
+def _losses(model, batch, cfg) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(*_batch(step, batch, cfg))
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
+    return out
+
+
+def train_native(rank: int, strategy: str, tp: int, batch: int = 8) -> dict:
+    """Plan the zoo's small LLaMA with ``strategy`` (fsdp | fsdp_tp | fsdp_tp_rc |
+    data_parallel), apply it with torch's engines on a mesh of the world's ranks, train
+    3 SGD steps; rank 0 also trains the plain module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    module, inputs = ff.models.get("llama", size="small", batch_size=batch)
+    cfg = module.config
+    ref = copy.deepcopy(module)
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.preset("cpu", devices=world)
+    s = {"fsdp": lambda: ff.Strategy.fsdp(graph, machine),
+         "data_parallel": lambda: ff.Strategy.data_parallel(graph, machine),
+         "fsdp_tp": lambda: ff.Strategy.megatron(graph, machine, tp=tp, shard=3),
+         "fsdp_tp_rc": lambda: ff.Strategy.megatron(graph, machine, tp=tp, shard=3).recompute_blocks()}[strategy]()
+    plan = ff.plan(module, machine, inputs, strategy=s)
+    desc = plan.native()
+    mesh = init_device_mesh("cpu", tuple(desc["mesh"]["shape"]), mesh_dim_names=tuple(desc["mesh"]["dim_names"]))
+    model = plan.parallelize_fn()(module, mesh)
+    losses = _losses(model, batch, cfg)
+    out = {"losses": losses, "mesh": desc["mesh"], "styles": len(desc["tensor_parallel"]),
+           "checkpoint": desc["checkpoint"]}
+    if rank == 0:
+        out["reference"] = _losses(ref, batch, cfg)
+    return out
