@@ -61,3 +61,33 @@ def test_training_through_torchs_engines_equals_one_process(strategy, world, tp)
         assert err <= TOL, (strategy, r["losses"], ref)
     if tp > 1:
         assert res[0]["mesh"]["shape"] == [world // tp, tp] and res[0]["styles"] == 14
+
+
+@pytest.mark.slow
+def test_the_example_trains_under_torchrun_as_one_process():
+    """examples/native_fsdp_tp.py: planned on the meta device, trained with FSDP2 x TP under
+    torchrun on 4 gloo processes; its losses are the plain module's with AdamW."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import torch
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        os.path.join(root, "examples", "native_fsdp_tp.py"), "--steps", "3"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", r.stdout)]
+    assert '"tp"' in r.stdout and len(got) == 3
+    torch.manual_seed(0)
+    model, batch = ff.models.get("llama", size="small", batch_size=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        ref.append(float(loss))
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
