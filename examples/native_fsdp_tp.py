@@ -63,16 +63,19 @@ def main(argv=None) -> int:
             batch = tuple(t.cuda() for t in batch)
         mesh = init_device_mesh("cuda" if cuda else "cpu", tuple(desc["mesh"]["shape"]),
                                 mesh_dim_names=tuple(desc["mesh"]["dim_names"]))
-        from flexflow.native import parallelize_fn
+        from flexflow.native import local_batch, parallelize_fn
         model = parallelize_fn(desc)(model, mesh)
+        mine = local_batch(batch, mesh)  # this data-parallel rank's share (a TP group shares one)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(a.steps):
             opt.zero_grad()
-            loss = model(*batch)
+            loss = model(*mine)
             loss.backward()
             opt.step()
+            value = loss.detach().clone()
+            dist.all_reduce(value)  # the global batch's loss: the mean of the shares'
             if rank == 0:
-                print(f"step {step}: loss {float(loss.detach()):.6f}", flush=True)
+                print(f"step {step}: loss {float(value) / world:.6f}", flush=True)
     finally:
         dist.destroy_process_group()
     return 0

@@ -29,7 +29,7 @@ from .graph.ir import OpGraph, repeated_block
 from .strategy.config import StrategyError
 from .strategy.regions import partitions
 
-__all__ = ["native_plan", "parallelize_fn"]
+__all__ = ["native_plan", "parallelize_fn", "local_batch"]
 
 
 def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
@@ -37,7 +37,8 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     dim names as torchtitan names them), ``tensor_parallel`` (module FQN -> style),
     ``fully_shard`` (module FQNs and their arguments, the root last), ``replicate`` (DDP),
     ``checkpoint`` (block FQNs), ``replicated_in_tp`` (parameter modules computed whole on
-    each tensor-parallel rank), ``precision`` and ``pipeline`` (None: no pipeline stages)."""
+    each tensor-parallel rank), ``precision`` and ``pipeline`` (None: no pipeline stages).
+    Each data-parallel rank feeds its share of the global batch (:func:`local_batch`)."""
     D = getattr(strategy, "num_devices", None)
     ops = graph.compute_ops
     dp = tp = None
@@ -182,6 +183,24 @@ def parallelize_fn(description: dict):
             replicate(model, device_mesh=data)
         return model
     return fn
+
+
+def local_batch(batch, device_mesh, batch_dim: int = 0):
+    """This rank's share of a global ``batch`` (a tensor or a tuple of them) under a plan's
+    mesh: the data-parallel rank (the mesh's first dim) takes its block of the batch dim;
+    the ranks of one tensor-parallel group take the same block, as torch's engines expect."""
+    import torch
+    data = device_mesh[device_mesh.mesh_dim_names[0]] if device_mesh.ndim > 1 else device_mesh
+    k, n = data.get_local_rank(), data.size()
+
+    def share(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        size = t.shape[batch_dim]
+        if size % n:
+            raise ValueError(f"a batch of {size} does not split into {n} equal data-parallel shares")
+        return t.narrow(batch_dim, k * size // n, size // n)
+    return tuple(share(t) for t in batch) if isinstance(batch, (tuple, list)) else share(batch)
 
 
 def _unwrapped(model, fqn: str):

@@ -20,15 +20,23 @@ def _batch(step: int, batch: int, cfg):
     return ids, torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=g)
 
 
-def _losses(model, batch, cfg) -> list[float]:
+def _losses(model, batch, cfg, mesh=None) -> list[float]:
+    """SGD steps; under a mesh each data-parallel rank feeds its share of the batch, and the
+    loss reported is the mean of the shares' (the global batch's loss)."""
+    from flexflow.native import local_batch
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = model(*_batch(step, batch, cfg))
+        data = _batch(step, batch, cfg)
+        loss = model(*(local_batch(data, mesh) if mesh is not None else data))
         loss.backward()
         opt.step()
-        out.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
+        value = loss.detach().clone()
+        if mesh is not None:
+            dist.all_reduce(value)
+            value /= dist.get_world_size()  # (tensor-parallel ranks hold the same share's loss)
+        out.append(float(value))
     return out
 
 
@@ -53,7 +61,7 @@ def train_native(rank: int, strategy: str, tp: int, batch: int = 8) -> dict:
     desc = plan.native()
     mesh = init_device_mesh("cpu", tuple(desc["mesh"]["shape"]), mesh_dim_names=tuple(desc["mesh"]["dim_names"]))
     model = plan.parallelize_fn()(module, mesh)
-    losses = _losses(model, batch, cfg)
+    losses = _losses(model, batch, cfg, mesh)
     out = {"losses": losses, "mesh": desc["mesh"], "styles": len(desc["tensor_parallel"]),
            "checkpoint": desc["checkpoint"]}
     if rank == 0:
