@@ -66,11 +66,13 @@ def load_model(spec: str, batch: int | None, devices: int = 1, meta: bool = True
     return module, tuple(inputs), spec
 
 
-def _trace(module, inputs):
+def _trace(module, inputs, batch_dim=None):
     from .graph.trace import trace
+    if batch_dim is not None and len(batch_dim) == 1:
+        batch_dim = batch_dim[0]
     if isinstance(inputs, dict):
-        return trace(module, (), inputs)
-    return trace(module, inputs)
+        return trace(module, (), inputs, batch_dim=batch_dim)
+    return trace(module, inputs, batch_dim=batch_dim)
 
 
 def _machine(args):
@@ -109,7 +111,7 @@ def cmd_trace(args) -> int:
     from .hardware.machine import Machine
     from .strategy.candidates import strategy_space_log10
     module, inputs, label = load_model(args.model, args.batch, size=args.size, seq=args.seq)
-    graph = _trace(module, inputs)
+    graph = _trace(module, inputs, args.batch_dim)
     rows = []
     for op in graph.ops:
         params = sum(math.prod(s) for s in op.param_shapes.values())
@@ -203,7 +205,7 @@ def cmd_profile(args) -> int:
         if not torch.cuda.is_available():
             raise CLIError("--device cuda: no CUDA device here")
     module, inputs, label = load_model(args.model, args.batch, meta=True, size=args.size, seq=args.seq)
-    graph = _trace(module, inputs)
+    graph = _trace(module, inputs, args.batch_dim)
     rep = profile.profile_graph(graph, device=args.device, progress=not args.json and sys.stderr.isatty())
     if args.json:
         print(json.dumps({"model": label, "device": args.device, "ops": rep.ops,
@@ -290,7 +292,7 @@ def cmd_simulate(args) -> int:
     precision = _precision_arg(args)
     from .sim.simulate import Simulator
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
-    graph = _trace(module, inputs)
+    graph = _trace(module, inputs, args.batch_dim)
     strategy = _strategy_arg(args.strategy, graph, machine, precision)
     if args.recompute == "blocks":
         strategy = strategy.recompute_blocks()
@@ -322,7 +324,7 @@ def cmd_search(args) -> int:
     precision = _precision_arg(args)
     from .search import search
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
-    graph = _trace(module, inputs)
+    graph = _trace(module, inputs, args.batch_dim)
     init = None
     if args.init:
         init = _strategy_arg(args.init, graph, machine)
@@ -389,6 +391,9 @@ def _model_size_args(p) -> None:
     p.add_argument("--size", help="zoo model size: paper, small; gpt2 124m, 350m, 774m, 1.5b; "
                                   "llama 1b, 8b, 70b")
     p.add_argument("--seq", type=int, help="tokens per sequence (gpt2, llama)")
+    p.add_argument("--batch-dim", type=int, nargs="+", metavar="D",
+                   help="which dim of each input is the batch: one for every input, or one per input "
+                        "(default: inferred from the graph)")
 
 
 def build_parser() -> argparse.ArgumentParser:

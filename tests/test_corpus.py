@@ -190,6 +190,10 @@ def test_trace_command_names_the_ops_that_run_whole_and_why(tmp_path, capsys):
     assert main(["trace", f"{f}:build", "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     assert set(js["whole"]) == {"view", "view_1", "cross_entropy"}
+    assert main(["trace", f"{f}:build", "--batch-dim", "0"]) == 0  # declared wrong: the sequence
+    assert "batch 8" in capsys.readouterr().out
+    assert main(["trace", f"{f}:build", "--batch-dim", "1", "7"]) == 2
+    assert "does not index its shape" in capsys.readouterr().err
 
 
 def test_parallelize_takes_batch_dim_in_one_process():
