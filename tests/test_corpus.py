@@ -204,3 +204,41 @@ def test_parallelize_takes_batch_dim_in_one_process():
     assert abs(float(par(*example)) - ref) <= 1e-6 * abs(ref)
     with pytest.raises(BatchDimError, match="does not index"):
         ff.parallelize(module, example_inputs=example, batch_dim=[1, 7])
+
+
+def test_an_opaque_op_on_the_meta_device_is_checked_with_stand_ins():
+    import flexflow.graph.trace as tr
+
+    class PerSample(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return x * self.w * x.sum(-1, keepdim=True)
+
+    class Mixer(torch.nn.Module):
+        def forward(self, x):
+            return x - x.mean(0, keepdim=True)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.per, self.mix = torch.nn.Linear(6, 6), PerSample(), Mixer()
+
+        def forward(self, x):
+            return self.mix(self.per(self.fc(x))).pow(2).mean()
+
+    leaf = tr._Tracer.is_leaf_module
+    try:
+        tr._Tracer.is_leaf_module = lambda self, m, q: isinstance(m, (PerSample, Mixer)) or leaf(self, m, q)
+        with torch.device("meta"):
+            module = M()
+        small = ff.trace(module, (torch.zeros(8, 6, device="meta"),))
+        # a batch too large to check whole: checked on a mini-batch of two samples
+        big = ff.trace(module, (torch.zeros(1 << 20, 6, device="meta"),))
+    finally:
+        tr._Tracer.is_leaf_module = leaf
+    for graph in (small, big):
+        assert graph.op("per").sample_dim is not None, graph.whole_reasons
+        assert graph.op("mix").sample_dim is None and "does not give" in graph.whole_reasons["mix"]

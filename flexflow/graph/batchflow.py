@@ -414,8 +414,10 @@ def _pack_by_sample(op: Op, lay, batch: int, unpacks: list[Op]) -> None:
 
 
 def _prove(op: Op, root, ins, batch: int) -> str | None:
-    """None when ``op`` on each block of the batch gives that block of its output
-    (checked with random inputs and the module's own parameters), else why not."""
+    """None when ``op`` on each block of the batch gives that block of its output, else why
+    not: checked with random inputs and the module's own parameters (stand-ins of their
+    shapes for a module on the meta device), on a mini-batch of two samples where the
+    whole batch is too large."""
     from .ops.base import call_template
     if not any(b is not None for b in ins):
         return "no input carries the batch"
@@ -427,23 +429,35 @@ def _prove(op: Op, root, ins, batch: int) -> str | None:
     if batch < 2:
         return "a batch of one"
     tensors = {}
-    for kind, names in (("param", op.params), ("buffer", op.buffers)):
+    gen = torch.Generator().manual_seed(0)
+    for names in (op.params, op.buffers):
         for local, q in names.items():
             t = _lookup(root, q)
-            if t is None or t.device.type == "meta":
-                return "its parameters are on the meta device (nothing to check it with)"
-            tensors[local] = t.detach().clone()
+            if t is None:
+                return "its parameters are not the module's"
+            if t.device.type != "meta":
+                tensors[local] = t.detach().clone()
+            elif t.numel() > _MAX_CHECK:
+                return "its parameters are on the meta device and too large to check it with stand-ins"
+            else:  # planned on the meta device: stand-ins of the same shapes say as much
+                tensors[local] = (torch.randn(t.shape, generator=gen).to(t.dtype) if t.dtype.is_floating_point
+                                  else torch.zeros(t.shape, dtype=t.dtype))
     total = sum(math.prod(s) for s in op.input_shapes) + math.prod(op.output_shape)
-    if total > _MAX_CHECK:
-        return "too large to check that its samples are independent"
+    shapes, n = list(op.input_shapes), batch
+    if total > _MAX_CHECK:  # checked on a mini-batch of two samples (an op bound to its batch fails it)
+        if 2 * total // batch > _MAX_CHECK:
+            return "too large to check that its samples are independent"
+        n = 2
+        shapes = [tuple(2 if i == b[0] else d for i, d in enumerate(s)) if b is not None else tuple(s)
+                  for s, b in zip(op.input_shapes, ins)]
     device = next((t.device for t in tensors.values()), torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
     xs = []
-    for shape, dtype in zip(op.input_shapes, op.input_dtypes):
+    for shape, dtype in zip(shapes, op.input_dtypes):
         if dtype.is_floating_point:
             xs.append(torch.randn(shape, generator=gen).to(device=device, dtype=dtype))
         else:
             xs.append(torch.zeros(shape, dtype=dtype, device=device))
+    batch = n
     p = _smallest_prime(batch)
     step = batch // p
     try:
