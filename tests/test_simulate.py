@@ -693,3 +693,24 @@ def test_the_optimizer_update_moves_what_torch_s_passes_move():
     for o in ("momentum", "adam"):
         want = (UPDATE_TRAFFIC[o] - UPDATE_TRAFFIC["sgd"]) * nbytes / m.spec.mem_bw_Bps
         assert t[o] - t["sgd"] == pytest.approx(want, rel=1e-3), o
+
+
+@pytest.mark.slow
+def test_more_than_a_thousand_devices_simulate():
+    """Partition indices have 15 bits in the task keys: clusters of up to 32,767 devices
+    (Llama 3 trained on 16,384) simulate; data parallelism of an MLP on 1,030 devices."""
+    import torch.nn as nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.fc2(self.fc1(x).relu()), y)
+
+    n = 1030
+    graph = ff.trace(MLP(), (torch.randn(2 * n, 16), torch.randint(0, 4, (2 * n,))))
+    machine = ff.Machine.preset("h100-cluster", devices=n)
+    r = ff.Simulator(graph, machine).simulate(ff.Strategy.data_parallel(graph, machine), incremental=False)
+    assert len(r.peak_memory) == n and r.iteration_time > 0 and r.sync_bytes > 0

@@ -18,7 +18,7 @@ PS = 10**12  # picoseconds per second
 # op, as the executor posts a send as soon as its producer is computed (before its next op)
 XF, XB, F, B, SYNC, UPD, GATHER = range(7)
 KIND_NAMES = ("xfer", "xfer-grad", "fwd", "bwd", "sync", "update", "gather")
-_JB, _PB, _AB = 10, 10, 16  # bits: input index, partition index, op/param/cluster index
+_JB, _PB, _AB = 10, 15, 16  # bits: input index, partition index (up to 32,767 devices), op/param/cluster index
 TID_BITS = 24
 TID_MASK = (1 << TID_BITS) - 1
 
