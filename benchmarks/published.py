@@ -1,6 +1,7 @@
 """Simulated training throughput against published GPU measurements.
 
-    python benchmarks/published.py [--only SUBSTRING] [--loss flat|transposed] [--out benchmarks/results/published]
+    python benchmarks/published.py [--only SUBSTRING] [--loss flat|transposed] [--precision bf16-mixed|bf16-params]
+                                   [--out benchmarks/results/published]
 
 Each row is a public measurement of GPU training: the model, the GPUs, the plan, the
 micro-batch and sequence, the precision and whether activations were recomputed, and
@@ -39,6 +40,12 @@ Loss.  ``--loss transposed`` (default) writes the loss as the zoo does,
 ``cross_entropy(logits.transpose(1, 2), targets)``; ``--loss flat`` as the sources do,
 ``cross_entropy(logits.view(-1, V), targets.view(-1))`` (llm-foundry, torchtitan, llm.c's
 PyTorch reference): the same value, a different graph (the batch must survive the view).
+
+Precision.  ``--precision bf16-mixed`` (default): autocast, a float32 residual stream;
+``bf16-params``: every parameter cast to bfloat16 for compute and bfloat16 activations,
+as the sources' FSDP mixed-precision policies run (Composer's ``DEFAULT``, torchtitan's
+``param_dtype=bfloat16, reduce_dtype=float32``).  The run factor shipped was fitted under
+``bf16-mixed``; the script fits it again under the precision it runs and reports both.
 
 Aim: median |error| <= 15%, largest <= 30%.
 """
@@ -100,6 +107,7 @@ NOTES = {
 
 
 LOSS = "transposed"  # set by --loss
+PRECISION = "bf16-mixed"  # set by --precision
 
 
 def build(model: str, size: str, batch: int, seq: int):
@@ -146,7 +154,7 @@ def simulate(graph, machine, strategy, scale: float = 1.0):
     cm = CostModel(machine)
     if scale != 1.0:
         cm = CostModel(machine, efficiency={k: v * scale for k, v in cm.efficiency.items()})
-    sim = ff.Simulator(graph, machine, cost_model=cm, optimizer="adam", precision="bf16-mixed")
+    sim = ff.Simulator(graph, machine, cost_model=cm, optimizer="adam", precision=PRECISION)
     return sim.simulate(strategy, incremental=False)
 
 
@@ -191,7 +199,7 @@ def run_row(row, role: str) -> dict:
     predicted, predicted_kernel = tokens_per_gpu(row, res), tokens_per_gpu(row, kernel)
     return {"source": source[0], "url": source[1], "model": f"{model}-{size}", "params": n_params,
             "gpus": gpus, "machine": preset, "plan": plan_name, "micro_batch": micro, "seq": seq,
-            "precision": "bf16-mixed", "recompute": recompute, "loss": LOSS, "published_tokens_per_s_gpu": published,
+            "precision": PRECISION, "recompute": recompute, "loss": LOSS, "published_tokens_per_s_gpu": published,
             "role": role, "run_efficiency": machine.spec.run_efficiency,
             "predicted_tokens_per_s_gpu": predicted, "error": predicted / published - 1.0,
             "predicted_kernel_rates": predicted_kernel, "error_kernel_rates": predicted_kernel / published - 1.0,
@@ -206,11 +214,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="default benchmarks/results/published (published_flat "
                     "with --loss flat)")
     ap.add_argument("--loss", choices=("transposed", "flat"), default="transposed")
+    ap.add_argument("--precision", choices=("bf16-mixed", "bf16-params"), default="bf16-mixed")
     a = ap.parse_args(argv)
-    global LOSS
-    LOSS = a.loss
+    global LOSS, PRECISION
+    LOSS, PRECISION = a.loss, a.precision
     if a.out is None:
-        a.out = str(Path(__file__).parent / "results" / ("published_flat" if a.loss == "flat" else "published"))
+        name = "published" + ("_flat" if a.loss == "flat" else "") + \
+            ("_bf16params" if a.precision == "bf16-params" else "")
+        a.out = str(Path(__file__).parent / "results" / name)
     rows = [r for r in ROWS if a.only is None or a.only in f"{r[1]}-{r[2]}"]
     role = roles(rows)
     refit, shipped_factor = {}, {}
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
     lines = ["# Simulated training throughput against published measurements", "",
              f"`{out['command']}`", "",
              "Each row: a public measurement of GPU training and the simulator's prediction for the same "
-             "model (built on the `meta` device), GPUs, plan, micro-batch, sequence, precision (bf16 mixed, "
+             f"model (built on the `meta` device), GPUs, plan, micro-batch, sequence, precision ({PRECISION}, "
              f"AdamW), recomputation and the loss written {LOSS} (see the script): with the published kernel rates alone (nothing from any row), and as "
              "shipped: those rates times the preset's run factor (`RUN_EFFICIENCY` in "
              "`flexflow/hardware/specs.py`), fitted to the rows marked `fit` and never to the rows marked "

@@ -19,7 +19,7 @@ from flexflow.strategy.regions import partitions
 
 from _small_models import MLP
 
-NAMES = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+NAMES = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "bf16-params")
 
 
 
@@ -54,9 +54,9 @@ def test_unknown_name_is_a_value_error_listing_the_valid_ones(transformer):
     for bad in ("bf16", "fp32", 32, None):
         with pytest.raises(ValueError, match="unknown precision.*" + ", ".join(NAMES)):
             precision(bad)
-    with pytest.raises(ValueError, match="32-true, bf16-mixed, bf16-true, 16-mixed"):
+    with pytest.raises(ValueError, match="32-true, bf16-mixed, bf16-true, 16-mixed, bf16-params"):
         ff.Simulator(transformer, mach, precision="fp8")
-    with pytest.raises(ValueError, match="32-true, bf16-mixed, bf16-true, 16-mixed"):
+    with pytest.raises(ValueError, match="32-true, bf16-mixed, bf16-true, 16-mixed, bf16-params"):
         ff.search(transformer, mach, evaluations=5, progress=False, precision="half")
 
 
@@ -338,3 +338,28 @@ def test_mixed_dtypes_are_the_ones_autocast_gives(name, monkeypatch):
     assert any(t == torch.bfloat16 for _, t in kinds)
     if name in ("transformer", "llama", "gpt2"):  # the residual stream stays float32
         assert ("add", torch.float32) in kinds
+
+
+def test_bf16_params_keeps_a_bfloat16_residual_stream_and_float32_state(transformer):
+    """bf16-params: every activation in bfloat16 (the residual stream too, where bf16-mixed
+    keeps it in float32), the losses in float32; parameters, gradient reduction and optimizer
+    state as bf16-mixed's; every sharded parameter gathered in bfloat16; the runtime refuses it
+    with the way to run it."""
+    import torch
+    mach = ff.Machine.preset("h200-node", devices=4)
+    cm = ff.CostModel(mach)
+    prec = precision("bf16-params")
+    for op in priced_ops(transformer, prec):
+        if op.dtype.is_floating_point:
+            assert op.dtype == (torch.float32 if op.rule in ("loss", "pointwise_loss") else torch.bfloat16), op.name
+    s, z3 = ff.Strategy.data_parallel(transformer, mach), ff.Strategy.fsdp(transformer, mach)
+    act = {p: _activation_peak(ff.Simulator(transformer, mach, cm, optimizer="adam", precision=p), s)
+           for p in ("bf16-mixed", "bf16-params", "bf16-true")}
+    assert (act["bf16-params"] < act["bf16-mixed"]).all() and (act["bf16-params"] >= act["bf16-true"]).all()
+    res = {p: {k: ff.Simulator(transformer, mach, cm, optimizer="adam", precision=p).simulate(x, incremental=False)
+               for k, x in (("dp", s), ("z3", z3))} for p in ("bf16-mixed", "bf16-params")}
+    assert res["bf16-params"]["dp"].sync_bytes == res["bf16-mixed"]["dp"].sync_bytes  # float32 reduce
+    assert res["bf16-params"]["z3"].sync_bytes < res["bf16-mixed"]["z3"].sync_bytes  # norms gathered in bf16 too
+    module, batch = ff.models.get("transformer", size="small", batch_size=8)
+    with pytest.raises(ValueError, match="bf16-params.*parallelize_fn"):
+        ff.parallelize(module, example_inputs=batch, precision="bf16-params")

@@ -9,7 +9,14 @@ name            compute    parameters  reduce      all-gather  optimizer state
 ``bf16-mixed``  bfloat16   float32     float32     bfloat16    float32
 ``16-mixed``    float16    float32     float32     float16     float32
 ``bf16-true``   bfloat16   bfloat16    bfloat16    bfloat16    bfloat16
+``bf16-params`` bfloat16   float32     float32     bfloat16    float32
 ==============  =========  ==========  ==========  ==========  ==============
+
+``bf16-params`` is not autocast: every parameter is cast to bfloat16 for compute (norms and
+embeddings included) and every activation is bfloat16, the losses excepted (float32, as
+Megatron and torchtitan compute them), as FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` runs a model: the
+residual stream between blocks is bfloat16 where ``bf16-mixed`` keeps it in float32.
 
 *compute*: the dtype ops run in and activations (outputs, saved tensors, messages,
 activation gradients) are held in, as under ``torch.autocast`` (``*-mixed``) or with the
@@ -48,6 +55,10 @@ class Precision:
     state: torch.dtype | None
     # whose autocast lists apply under *-mixed: "cpu" or "cuda" (which runs more ops in float32)
     autocast: str = "cpu"
+    # False: no autocast; every floating tensor of the step in the compute dtype but the
+    # losses (float32), the parameters' own state in ``param`` (``bf16-params``: FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), Megatron's bf16)
+    autocast_lists: bool = True
 
     @property
     def key(self) -> str:
@@ -84,6 +95,7 @@ PRECISIONS = {
     "bf16-mixed": Precision("bf16-mixed", _BF16, _F32, _F32, _BF16, _F32),
     "bf16-true": Precision("bf16-true", _BF16, _BF16, _BF16, _BF16, _BF16),
     "16-mixed": Precision("16-mixed", _F16, _F32, _F32, _F16, _F32),
+    "bf16-params": Precision("bf16-params", _BF16, _F32, _F32, _BF16, _F32, autocast_lists=False),
 }
 # rules autocast runs in float32 (its "autocast to float32" list: the losses)
 _FLOAT32_RULES = frozenset({"loss", "pointwise_loss"})
@@ -132,7 +144,9 @@ def priced_op(op: Op, prec: Precision) -> Op:
     views = op.__dict__.setdefault("_precision_views", {})
     v = views.get(prec.key + "@graph") or views.get(prec.key)
     if v is None:
-        if prec.mixed and op.everywhere:
+        if not prec.autocast_lists:  # every floating tensor in the compute dtype, the losses in float32
+            to = _F32 if op.rule in _FLOAT32_RULES else prec.compute
+        elif prec.mixed and op.everywhere:
             to = None  # inputs and constants stay as given; autocast casts them where used
         else:
             to = _F32 if prec.mixed and _in_float32(op, prec) else prec.compute
@@ -166,7 +180,7 @@ def gathers_in_compute(prec: Precision, rules) -> bool:
     compute dtype under ``prec``: under ``*-mixed``, where only lowered rules read it (autocast
     casts it so for them anyway); the executor and the simulator both ask this."""
     rules = set(rules)
-    return prec.mixed and bool(rules) and rules <= LOWERED_RULES
+    return prec.mixed and bool(rules) and (rules <= LOWERED_RULES or not prec.autocast_lists)
 
 
 def _autocast_dtypes(graph, prec: Precision) -> dict:
@@ -205,7 +219,7 @@ def priced_ops(graph, prec: Precision) -> list:
     views are cached on the ops, so a later :func:`priced_op` of one of them agrees."""
     if prec.native:
         return list(graph.ops)
-    if not prec.mixed:
+    if not prec.mixed or not prec.autocast_lists:
         return [priced_op(op, prec) for op in graph.ops]
     dts = _autocast_dtypes(graph, prec)
     res = []

@@ -99,6 +99,10 @@ def lowered_outputs(graph: OpGraph) -> set:
 
 
 def _precision_error(precision) -> str:
+    if precision == "bf16-params":
+        return ("precision 'bf16-params' is planned and simulated, not run by flexflow's runtime: run the "
+                "plan with torch's engines (plan.parallelize_fn() applies FSDP2's MixedPrecisionPolicy), or "
+                "run precision='bf16-mixed' here")
     if precision == "bf16-true":
         return ("precision 'bf16-true' is the module in bfloat16: convert it (module.to(torch.bfloat16)) "
                 "and parallelize it with precision='32-true' (its own dtypes)")
