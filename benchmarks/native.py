@@ -49,8 +49,7 @@ def _worker(rank: int, steps: int, rounds: int):
     world = dist.get_world_size()
     module, inputs = sharded.build()
     graph = ff.trace(module, inputs)
-    detected = ff.Machine.detect()
-    machine = detected.with_devices(world) if detected.num_devices >= world else ff.Machine.preset("cpu", devices=world)
+    machine = sharded.host_machine(world)
     runs, predicted, meshes = {}, {}, {}
     for name, s in _strategies(graph, machine, world).items():
         plan = ff.plan(module, machine, inputs, strategy=s, optimizer="adam")

@@ -106,6 +106,12 @@ def _fsdp2(module):
     return m
 
 
+def host_machine(world: int):
+    """This host's calibrated machine cut to ``world`` processes, or the ``cpu`` preset."""
+    detected = ff.Machine.detect()
+    return detected.with_devices(world) if detected.num_devices >= world else ff.Machine.preset("cpu", devices=world)
+
+
 def capped_machine(graph, machine):
     """``machine`` capped half-way between fsdp's and data parallelism's predicted peaks."""
     sim = ff.Simulator(graph, machine, optimizer="adam")
@@ -122,8 +128,7 @@ def _worker(rank: int, steps: int, rounds: int, budget: float):
     world = dist.get_world_size()
     module, inputs = build()
     graph = ff.trace(module, inputs)
-    detected = ff.Machine.detect()
-    machine = detected.with_devices(world) if detected.num_devices >= world else ff.Machine.preset("cpu", devices=world)
+    machine = host_machine(world)
     cap, dp_peak, fsdp_peak = capped_machine(graph, machine)
     capped = None
     if rank == 0:

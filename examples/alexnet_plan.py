@@ -68,7 +68,7 @@ def plan(budget_s: float, out: Path) -> None:
         print("   " + line.strip())
     print(f"   {len(graph.compute_ops)} ops; strategy space 10^{ff.strategy.strategy_space_log10(graph, machine):.0f}")
     found = ff.search(graph, machine, budget=budget_s, seed=0)
-    print(f"   search: {found.evaluations} strategies simulated in {found.seconds:.1f} s "
+    print(f"   search: {found.evaluations} proposals scored in {found.seconds:.1f} s "
           f"(budget {budget_s:g} s, baselines included)")
     dp = found.baselines["data_parallel"]
     rows = list(found.baselines.items()) + [("searched", found.result)]

@@ -52,7 +52,7 @@ def plan(budget_s: float, out: Path) -> None:
     found = ff.plan(module, machine, inputs, budget=budget_s, optimizer="adam", precision="bf16-mixed")
     graph = ff.trace(module, inputs)
     strategy = found.bind(graph)
-    print(f"   planned in {time.perf_counter() - t0:.0f} s: {found.evaluations} strategies simulated "
+    print(f"   planned in {time.perf_counter() - t0:.0f} s: {found.evaluations} proposals scored "
           f"(budget {budget_s:g} s)\n")
     rows = [(f"plan ({found.chosen})", found.predicted)]
     rows += [(k, found.baselines[k]) for k in ("fsdp", "megatron", "fsdp_tp", "data_parallel")

@@ -34,7 +34,7 @@ def main(argv=None):
         "",
         f"Command: `python examples/inception_case_study.py --budget {a.budget:g} --seed {a.seed}"
         + (f" --evaluations {a.evaluations}" if a.evaluations else "") + "`",
-        f"({res.evaluations} strategies simulated in {res.seconds:.1f} s)",
+        f"({res.evaluations} proposals scored in {res.seconds:.1f} s)",
         "",
         "| | data parallel | searched | change | paper |",
         "|---|---:|---:|---:|---:|",

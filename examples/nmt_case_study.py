@@ -30,7 +30,7 @@ def study(preset: str, devices: int, budget: float, seed: int, evaluations):
         rows.append((name, r))
     rows.append(("searched", res.result))
     out = [f"## NMT on {devices} devices of {preset} (batch {graph.batch_size})", "",
-           f"{res.evaluations} strategies simulated in {res.seconds:.1f} s", "",
+           f"{res.evaluations} proposals scored in {res.seconds:.1f} s", "",
            "| strategy | iteration (ms) | activations (GB) | param sync (GB) | total moved (GB) |"
            + (" paper total (GB) |" if preset == "k80-cluster" and devices == 64 else ""),
            "|---|---:|---:|---:|---:|" + ("---:|" if preset == "k80-cluster" and devices == 64 else "")]

@@ -8,6 +8,7 @@ module in one process (float32, 1e-5), losses and every parameter after 3 SGD st
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -25,6 +26,19 @@ from flexflow.strategy.regions import partitions
 
 TOL = 1e-5
 BATCH = 4
+
+
+@contextlib.contextmanager
+def _as_leaves(*types):
+    """Trace modules of ``types`` as leaves (opaque ops), as the tracer takes a module it does
+    not know."""
+    import flexflow.graph.trace as tr
+    leaf = tr._Tracer.is_leaf_module
+    tr._Tracer.is_leaf_module = lambda self, m, q: isinstance(m, types) or leaf(self, m, q)
+    try:
+        yield
+    finally:
+        tr._Tracer.is_leaf_module = leaf
 
 
 def _build(name, batch=BATCH):
@@ -111,16 +125,8 @@ def test_an_opaque_op_splits_only_where_proven():
         def forward(self, x):
             return self.per(self.mix(self.fc(x))).pow(2).mean()
 
-    class Tracer(torch.fx.Tracer):
-        pass
-
-    import flexflow.graph.trace as tr
-    leaf = tr._Tracer.is_leaf_module
-    try:  # the two helper modules as opaque leaves, as a user's unknown module would be
-        tr._Tracer.is_leaf_module = lambda self, m, q: isinstance(m, (Mixer, PerSample)) or leaf(self, m, q)
+    with _as_leaves(Mixer, PerSample):  # opaque leaves, as a user's unknown module would be
         graph = ff.trace(M(), (torch.randn(8, 6),))
-    finally:
-        tr._Tracer.is_leaf_module = leaf
     assert graph.op("mix").rule == "opaque" and graph.op("mix").sample_dim is None
     assert "does not give that block" in graph.whole_reasons["mix"]
     assert graph.op("per").rule == "opaque" and graph.op("per").sample_dim is not None
@@ -207,8 +213,6 @@ def test_parallelize_takes_batch_dim_in_one_process():
 
 
 def test_an_opaque_op_on_the_meta_device_is_checked_with_stand_ins():
-    import flexflow.graph.trace as tr
-
     class PerSample(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -229,16 +233,12 @@ def test_an_opaque_op_on_the_meta_device_is_checked_with_stand_ins():
         def forward(self, x):
             return self.mix(self.per(self.fc(x))).pow(2).mean()
 
-    leaf = tr._Tracer.is_leaf_module
-    try:
-        tr._Tracer.is_leaf_module = lambda self, m, q: isinstance(m, (PerSample, Mixer)) or leaf(self, m, q)
+    with _as_leaves(PerSample, Mixer):
         with torch.device("meta"):
             module = M()
         small = ff.trace(module, (torch.zeros(8, 6, device="meta"),))
         # a batch too large to check whole: checked on a mini-batch of two samples
         big = ff.trace(module, (torch.zeros(1 << 20, 6, device="meta"),))
-    finally:
-        tr._Tracer.is_leaf_module = leaf
     for graph in (small, big):
         assert graph.op("per").sample_dim is not None, graph.whole_reasons
         assert graph.op("mix").sample_dim is None and "does not give" in graph.whole_reasons["mix"]
