@@ -23,7 +23,7 @@ Mapping, per module (the owner of a parameter, by its qualified name):
 """
 from __future__ import annotations
 
-import json
+import copy
 
 from .graph.ir import OpGraph, repeated_block
 from .strategy.config import StrategyError
@@ -149,7 +149,7 @@ def parallelize_fn(description: dict):
     """``fn(model, device_mesh) -> model`` applying ``description`` (:func:`native_plan`) with
     torch's engines: tensor parallelism on the mesh's ``tp`` dim, checkpointing, then
     ``fully_shard`` per block and at the root on its data dim (or ``replicate``)."""
-    desc = json.loads(json.dumps(description))  # a copy the caller cannot change
+    desc = copy.deepcopy(description)  # a copy the caller cannot change
 
     def fn(model, device_mesh):
         import torch
@@ -176,7 +176,7 @@ def parallelize_fn(description: dict):
             policy = MixedPrecisionPolicy(param_dtype=getattr(torch, mp["param_dtype"]),
                                           reduce_dtype=getattr(torch, mp["reduce_dtype"])) if mp \
                 else MixedPrecisionPolicy()
-            target = _unwrapped(model, unit["module"])
+            target = model.get_submodule(unit["module"]) if unit["module"] else model  # (a block's checkpoint wrapper)
             fully_shard(target, mesh=data, reshard_after_forward=unit["reshard_after_forward"], mp_policy=policy)
         if desc["replicate"]:
             from torch.distributed._composable.replicate import replicate
@@ -201,8 +201,3 @@ def local_batch(batch, device_mesh, batch_dim: int = 0):
             raise ValueError(f"a batch of {size} does not split into {n} equal data-parallel shares")
         return t.narrow(batch_dim, k * size // n, size // n)
     return tuple(share(t) for t in batch) if isinstance(batch, (tuple, list)) else share(batch)
-
-
-def _unwrapped(model, fqn: str):
-    """The module at ``fqn`` (the checkpoint wrapper of a block, where there is one)."""
-    return model.get_submodule(fqn) if fqn else model

@@ -242,3 +242,8 @@ def test_an_opaque_op_on_the_meta_device_is_checked_with_stand_ins():
     for graph in (small, big):
         assert graph.op("per").sample_dim is not None, graph.whole_reasons
         assert graph.op("mix").sample_dim is None and "does not give" in graph.whole_reasons["mix"]
+
+
+def test_a_negative_batch_dim_counts_from_the_end():
+    module, example = _build("seqfirst_layer", batch=6)
+    assert ff.trace(module, example, batch_dim=-1).op("emb").sample_dim.axis == 1

@@ -227,8 +227,9 @@ def _starts(inputs: list[Op], axes) -> tuple[dict, int | None]:
 def _candidates(inputs: list[Op], batch_dim):
     """The input batch dims to try: the declared one, or axis 0, then axis 1."""
     if batch_dim is not None:
-        if isinstance(batch_dim, int):
-            return [[batch_dim if len(op.output_shape) > batch_dim else None for op in inputs]]
+        if isinstance(batch_dim, int) and not isinstance(batch_dim, bool):
+            n = [len(op.output_shape) for op in inputs]
+            return [[batch_dim % k if -k <= batch_dim < k else None for k in n]]
         dims = list(batch_dim)
         if len(dims) != len(inputs):
             raise BatchDimError(f"batch_dim has {len(dims)} entries but the model takes {len(inputs)} "
@@ -240,8 +241,9 @@ def _candidates(inputs: list[Op], batch_dim):
         return [[a % len(op.output_shape) if a is not None else None for op, a in zip(inputs, dims)]]
     # one axis for every input of two axes or more (inputs of one axis: their axis 0); a
     # model that mixes layouts across its inputs says so with batch_dim
-    return [[0 if op.output_shape else None for op in inputs],
-            [1 if len(op.output_shape) >= 2 else 0 if op.output_shape else None for op in inputs]]
+    first = [0 if op.output_shape else None for op in inputs]
+    second = [1 if len(op.output_shape) >= 2 else a for op, a in zip(inputs, first)]
+    return [first] if second == first else [first, second]
 
 
 def settle_batch(ops: list[Op], root, batch_dim=None) -> tuple[int | None, dict[str, str]]:
