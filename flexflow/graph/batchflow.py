@@ -274,6 +274,8 @@ def settle_batch(ops: list[Op], root, batch_dim=None) -> tuple[int | None, dict[
     if best is None:
         return None, {}
     _, axes, starts, batch = best
+    for op in inputs:  # the axis that carries the batch, for tracing a micro-batch (graph.micro)
+        op.attrs["batch_axis"] = starts[op.name][0] if starts.get(op.name) else None
     _redim(placed, batch, root, declared_only=True)
     reasons = _redim(placed, batch, root, declared_only=False, starts=starts, ops=ops)
     pos, _ = _flow(ops, starts, batch, final=True)

@@ -421,3 +421,22 @@ class Liveness(UnitEvents, RecomputeEvents):
         single = 2 * maxshard.max(0)
         multi = train.sum(0)
         return np.where(self._foreach, multi, single)
+
+
+_GiB = 2**30
+
+
+def out_of_memory(peak: list, cap: list) -> str:
+    """The one-line error of a step whose per-device ``peak`` exceeds ``cap`` somewhere
+    (the worst device, then how many more), or "" where it fits."""
+    over = [(peak[d] - cap[d], d) for d in range(len(peak)) if peak[d] > cap[d]]
+    if not over:
+        return ""
+    excess, d = max(over)
+    msg = (f"out of memory on device {d}: needs {peak[d]:,} bytes ({peak[d] / _GiB:.2f} GiB), "
+           f"capacity {cap[d]:,} bytes ({cap[d] / _GiB:.2f} GiB), {excess:,} bytes "
+           f"({excess / _GiB:.2f} GiB) too many")
+    others = sorted(x for _, x in over if x != d)
+    if others:
+        msg += f"; {len(others)} more device(s) over capacity: {', '.join(map(str, others))}"
+    return msg

@@ -38,7 +38,8 @@ from ..cost.model import GRAD_BUCKET_BYTES, CostModel, partition_flops
 from ..cost.precision import precision as _precision
 from ..strategy.config import ParallelConfig
 from ..strategy.regions import partitions
-from .memory import optimizer_state_copies
+from .memory import optimizer_state_copies, out_of_memory
+from .pipeline import simulate_pipelined
 from .schedarrays import TaskArrays
 from .schedcore import NO_LIMIT
 from .taskgraph import (
@@ -52,7 +53,6 @@ from .taskgraph import (
 
 __all__ = ["Simulator", "SimResult"]
 
-_GiB = 2**30
 
 
 @dataclass
@@ -80,6 +80,9 @@ class SimResult:
     # token ids one step reads, where the model's first input holds them (an integer tensor,
     # batch by sequence); 0 otherwise
     tokens: int = 0
+    # the fraction of the step the busiest pipeline stage's devices wait on the pipeline
+    # (its bubble; 0 without a pipeline)
+    bubble: float = 0.0
     _trace: Callable | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -206,6 +209,9 @@ class Simulator:
             return self._simulate(strategy, incremental, limit)
 
     def _simulate(self, strategy, incremental: bool, limit: int) -> SimResult | None:
+        if getattr(strategy, "pipeline", None) is not None:
+            res = SimResult(**simulate_pipelined(self, strategy))
+            return res if res.iteration_time * PS <= limit else self._stopped()
         g = getattr(strategy, "graph", None)
         if g is not None and g is not self.graph and g.fingerprint() != self.graph.fingerprint():
             raise ValueError("strategy was made for another graph (fingerprint "
@@ -330,16 +336,8 @@ class Simulator:
         busy[:D] += tg.USUM
         peak = [int(x) for x in mem]
         cap = ctx.capacity
-        over = [(peak[d] - cap[d], d) for d in range(D) if peak[d] > cap[d]]
-        msg = ""
-        if over:
-            excess, d = max(over)
-            msg = (f"out of memory on device {d}: needs {peak[d]:,} bytes ({peak[d] / _GiB:.2f} GiB), "
-                   f"capacity {cap[d]:,} bytes ({cap[d] / _GiB:.2f} GiB), {excess:,} bytes "
-                   f"({excess / _GiB:.2f} GiB) too many")
-            others = sorted(x for _, x in over if x != d)
-            if others:
-                msg += f"; {len(others)} more device(s) over capacity: {', '.join(map(str, others))}"
+        msg = out_of_memory(peak, cap)
+        over = bool(msg)
         strategy = tg.strategy
         res = SimResult(
             iteration_time=end / PS,

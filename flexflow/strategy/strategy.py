@@ -14,6 +14,7 @@ from ..graph.ir import Op, OpGraph, repeated_block
 from .candidates import candidate_configs
 from .config import REPLICA, SHARD_LEVELS, ParallelConfig, StrategyError
 from .megatron import megatron_configs
+from .pipeline import Pipeline, pipeline_layout, stage_configs
 from .regions import has_param_replicas, validate_config
 
 __all__ = ['Strategy']
@@ -26,8 +27,9 @@ class Strategy(Mapping):
     Ops that share parameters always share one config."""
 
     def __init__(self, graph: OpGraph, configs: Mapping[str, ParallelConfig], machine=None,
-                 name: str = "custom"):
+                 name: str = "custom", pipeline: dict | None = None):
         self.graph = graph
+        self.pipeline: Pipeline | None = None
         self.name = name
         self.machine_fingerprint = machine.fingerprint() if machine is not None else None
         self.num_devices = machine.num_devices if machine is not None else None
@@ -48,6 +50,8 @@ class Strategy(Mapping):
                 raise StrategyError(f"ops {members[:3]}... share parameters and must share one config")
         for op in graph.compute_ops:
             validate_config(op, self._configs[op.name], self.num_devices)
+        if pipeline is not None:
+            self.pipeline = pipeline_layout(graph, self._configs, **_pipeline_args(pipeline))
 
     # Mapping
     def __getitem__(self, k: str) -> ParallelConfig:
@@ -60,17 +64,35 @@ class Strategy(Mapping):
         return len(self._configs)
 
     def __eq__(self, other):
-        return isinstance(other, Strategy) and self._configs == other._configs
+        return (isinstance(other, Strategy) and self._configs == other._configs
+                and _spec(self.pipeline) == _spec(other.pipeline))
 
     def __hash__(self):
-        return hash(tuple(sorted(self._configs.items())))
+        h = hash(tuple(sorted(self._configs.items())))
+        return h if self.pipeline is None else hash((h, _spec(self.pipeline)))
 
-    def _derive(self, configs, name=None) -> "Strategy":
+    def _derive(self, configs, name=None, pipeline=False) -> "Strategy":
         s = Strategy.__new__(Strategy)
         s.graph, s.name = self.graph, name or self.name
         s.machine_fingerprint, s.num_devices = self.machine_fingerprint, self.num_devices
         s._configs = configs
+        s.pipeline = self.pipeline
+        if pipeline is not False:
+            s.pipeline = None if pipeline is None else pipeline_layout(self.graph, configs, **_pipeline_args(pipeline))
+        elif self.pipeline is not None and configs is not self._configs:
+            s.pipeline = pipeline_layout(self.graph, configs, **_pipeline_args(_spec(self.pipeline)))
         return s
+
+    def with_pipeline(self, microbatches: int = 1, schedule: str = "1f1b") -> "Strategy":
+        """This strategy as a pipeline: the step's batch cut into ``microbatches`` that flow
+        through the device groups of its placement under ``schedule`` (``"gpipe"``,
+        ``"1f1b"``, ``"interleaved-1f1b"``); each op's degrees split one micro-batch.  An
+        impossible pipeline is a :class:`StrategyError` saying why."""
+        return self._derive(self._configs, pipeline={"microbatches": microbatches, "schedule": schedule})
+
+    def without_pipeline(self) -> "Strategy":
+        """This strategy's placement with no pipeline (one micro-batch, ops in turn)."""
+        return self._derive(self._configs, pipeline=None)
 
     def replace(self, op_name: str, config: ParallelConfig) -> "Strategy":
         """A new strategy with ``op_name`` (and every op sharing its parameters) on ``config``."""
@@ -107,7 +129,7 @@ class Strategy(Mapping):
 
     def table(self) -> str:
         """One line per share group: ``conv3: S4 C2 @[0..7]``."""
-        lines = []
+        lines = [str(self.pipeline)] if self.pipeline is not None else []
         for members in self.graph.groups.values():
             op = self.graph.op(members[0])
             extra = f" (+{len(members) - 1} sharing)" if len(members) > 1 else ""
@@ -119,12 +141,15 @@ class Strategy(Mapping):
         """The strategy as JSON: per op its degrees, devices, shard level and recomputation,
         with the graph's fingerprint and the machine's size (``Strategy.from_json`` reads it
         back)."""
-        return json.dumps({
+        d = {
             "format": "flexflow-strategy", "version": 1, "name": self.name,
             "graph": self.graph.fingerprint(), "machine": self.machine_fingerprint,
             "num_devices": self.num_devices,
             "ops": {k: c.to_dict() for k, c in self._configs.items()},
-        }, indent=1)
+        }
+        if self.pipeline is not None:
+            d["pipeline"] = self.pipeline.to_dict()
+        return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str, graph: OpGraph, machine=None) -> "Strategy":
@@ -153,7 +178,11 @@ class Strategy(Mapping):
                 configs[k] = ParallelConfig.from_dict(v)
             except StrategyError as e:
                 raise StrategyError(f"strategy entry {k!r}: {e}") from None
-        s = cls(graph, configs, name=d.get("name", "custom"))
+        pipe = d.get("pipeline")
+        if pipe is not None and (not isinstance(pipe, dict) or set(pipe) - {"microbatches", "schedule"}):
+            raise StrategyError(f"strategy file's \"pipeline\" must be an object with \"microbatches\" and "
+                                f"\"schedule\", got {pipe!r}")
+        s = cls(graph, configs, name=d.get("name", "custom"), pipeline=pipe)
         s.machine_fingerprint = d.get("machine")
         s.num_devices = d.get("num_devices")
         if machine is not None:
@@ -200,13 +229,23 @@ class Strategy(Mapping):
         return cls.zero(graph, machine, 3)
 
     @classmethod
-    def megatron(cls, graph: OpGraph, machine, tp: int | None = None, shard: int = 0) -> "Strategy":
+    def megatron(cls, graph: OpGraph, machine, tp: int | None = None, shard: int = 0, *, pp: int = 1,
+                 microbatches: int = 1, schedule: str = "1f1b", interleave: int = 1) -> "Strategy":
         """Megatron-style tensor parallelism of degree ``tp`` (default: the devices of one
         node) inside groups of ``tp`` consecutive devices, data parallelism across the
         groups; ``shard`` (0-3) shards every replicated parameter among its replicas
         (``shard=3``: the 2-D FSDP x TP plan).  Found from the graph: see
-        :mod:`flexflow.strategy.megatron`."""
+        :mod:`flexflow.strategy.megatron`.
+
+        ``pp > 1`` adds pipeline stages (the 3-D plan): device ``t + tp * (s + pp * d)`` is
+        rank t of the tensor-parallel group of stage s in data-parallel replica d; the
+        repeated blocks are cut into ``pp * interleave`` contiguous chunks balanced by
+        FLOPs (what comes before the first block with the first chunk, what comes after
+        the last with the last), chunk c on stage ``c % pp``; the step's batch is cut into
+        ``microbatches`` run under ``schedule``.  Each op's degrees split one micro-batch."""
         D = machine.num_devices
+        if pp != 1 or microbatches != 1 or interleave != 1:
+            return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave)
         if tp is None:
             tp = math.gcd(D, getattr(machine, "devices_per_node", D))
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or D % tp:
@@ -282,6 +321,41 @@ class Strategy(Mapping):
             configs[op.name] = base[op.name] if keep else drawn
         name = f"random{seed}" if base is None else f"random{seed}@{fraction:g}"
         return cls(graph, configs, machine, name=name)
+
+
+def _spec(p) -> dict | None:
+    return None if p is None else p.to_dict()
+
+
+def _pipeline_args(p) -> dict:
+    if isinstance(p, Pipeline):
+        return p.to_dict()
+    if not isinstance(p, dict):
+        raise StrategyError(f"pipeline must be a dict with 'microbatches' and 'schedule', got {p!r}")
+    return {"microbatches": p.get("microbatches", 1), "schedule": p.get("schedule", "1f1b")}
+
+
+def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave) -> "Strategy":
+    D = machine.num_devices
+    for k, v in (("pp", pp), ("interleave", interleave)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise StrategyError(f"{k} must be a positive int, got {v!r}")
+    if D % pp:
+        raise StrategyError(f"pp={pp} does not divide the machine's {D} devices")
+    if interleave > 1 and schedule == "1f1b":
+        schedule = "interleaved-1f1b"
+    sub = machine.with_devices(D // pp)
+    per_mb = graph.batch_size // microbatches if graph.batch_size and microbatches >= 1 else None
+    if tp is None:
+        tp = math.gcd(D // pp, getattr(machine, "devices_per_node", D))
+    if per_mb is not None and isinstance(tp, int) and tp >= 1 and (D // pp) % tp == 0 and D // pp // tp > per_mb:
+        raise StrategyError(f"megatron with tp={tp}, pp={pp} on {D} devices splits each micro-batch "
+                            f"{D // pp // tp} ways, more than its {per_mb} samples: raise tp or pp, or "
+                            "use fewer micro-batches")
+    flat = cls.megatron(graph, sub, tp=tp, shard=shard)
+    configs = stage_configs(graph, dict(flat._configs), pp, interleave, D // pp, tp)
+    name = f"megatron_pp{pp}" if not shard else f"fsdp_tp_pp{pp}" if shard == 3 else f"megatron_z{shard}_pp{pp}"
+    return cls(graph, configs, machine, name=name, pipeline={"microbatches": microbatches, "schedule": schedule})
 
 
 def _constant_fed(graph: OpGraph) -> set[str]:

@@ -1,0 +1,239 @@
+"""Pipelines in the simulator: one micro-batch simulated task by task, the step composed.
+
+A pipelined strategy (``Strategy.pipeline``) runs its ops on device groups (stages), each
+group running its runs of ops (virtual stages) for every micro-batch in its schedule's
+order (:func:`flexflow.strategy.pipeline.schedule_order`).  The simulator times it in two
+levels:
+
+1. One micro-batch of the strategy is simulated as any strategy is (:class:`Simulator` on
+   the graph a micro-batch makes, :func:`flexflow.graph.micro.microbatch_graph`): every
+   op's partitions, their messages, the collectives inside each stage and the gradient
+   sync, task by task.  Stages run one after another there, so each run's forward and
+   backward are read off that timeline: from its first task's start to its last task's
+   end (``F_r``, ``B_r``, waits on its own messages included), the gaps between runs (the
+   activation sent forward and its gradient sent back), what precedes the first forward
+   (parameters gathered) and, per group, what follows its last backward (the gradient
+   sync and the optimizer step: ``tail_g``).
+2. The step: each group runs its schedule's tasks in order, a forward of run r for
+   micro-batch b once run r - 1's forward of b has ended and its activation arrived, a
+   backward once run r + 1's backward of b has ended and its gradient arrived (the last
+   run's once its own forward of b has).  The gradients accumulate over the micro-batches
+   and each group syncs after its last backward (``tail_g``), overlapping the cool-down of
+   the groups after it.  The step ends when the last group is done.
+
+Memory: a device's peak for one micro-batch, plus the activations of the micro-batches it
+holds in flight beyond one: each run's activations (what lives on the device at the end of
+its forward, less what lived before it) times the largest number in flight at once in the
+schedule (GPipe: all; 1F1B: at most p - s), and the whole batch's inputs.
+
+Exact case: p equal stages with no messages take (m + p - 1) / m of the compute of m
+micro-batches under GPipe and 1F1B, and (v m + p - 1) / (v m) interleaved over v chunks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..strategy.pipeline import schedule_order
+from .memory import out_of_memory
+from .schedcore import ALIVE, DUR, FIN, PRIO
+from .taskkeys import _AB, _JB, _PB, PS, B, F
+
+__all__ = ["StageTimes", "compose", "stage_times"]
+
+_AMAX = (1 << _AB) - 1
+
+
+class StageTimes:
+    """Per run (virtual stage) of one simulated micro-batch, in picoseconds: ``F``, ``B``
+    (forward and backward spans), ``xf[r]`` / ``xb[r]`` (the gap from run r's forward to run
+    r + 1's, and from run r + 1's backward to run r's), ``turn`` (from the last run's forward
+    to its backward), ``lead`` (before the first forward), ``tail[g]`` per group (after its
+    last backward), ``end`` (the micro-batch's schedule end)."""
+
+    def __init__(self, F, B, xf, xb, turn, lead, tail, end):
+        self.F, self.B, self.xf, self.xb = F, B, xf, xb
+        self.turn, self.lead, self.tail, self.end = turn, lead, tail, end
+
+
+def stage_times(arrays, free, run_of_op: np.ndarray, groups: list, devices: list) -> StageTimes:
+    """Read a micro-batch's :class:`StageTimes` off the scheduler's arrays (``arrays``:
+    :class:`flexflow.sim.schedarrays.TaskArrays` after a run, ``free`` when each resource is
+    done); ``run_of_op[o]``: the run of op index o (-1: none); ``groups[g]``: the runs of
+    group g; ``devices[g]``: its devices."""
+    n = arrays.n
+    H, C = arrays.H, arrays.C
+    alive = C[:n, ALIVE] != 0
+    fin, dur, prio = H[:n, FIN][alive], H[:n, DUR][alive], H[:n, PRIO][alive]
+    head = prio >> (2 * _PB + _JB)
+    kind, a = head & 7, head >> 3
+    R = sum(len(g) for g in groups)
+
+    def spans(k: int, op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sel = kind == k
+        ops = op[sel]
+        runs = run_of_op[ops]
+        keep = runs >= 0
+        runs, f, d = runs[keep], fin[sel][keep], dur[sel][keep]
+        lo = np.full(R, np.iinfo(np.int64).max, np.int64)
+        hi = np.zeros(R, np.int64)
+        np.minimum.at(lo, runs, f - d)
+        np.maximum.at(hi, runs, f)
+        empty = lo > hi
+        lo[empty] = hi[empty] = 0
+        return lo, hi
+    fs, fe = spans(F, a)
+    bs, be = spans(B, _AMAX - a)
+    # a run with no tasks of its own (free views) starts where the previous one ended
+    for r in range(R):
+        if fe[r] == 0 and r:
+            fs[r] = fe[r] = fe[r - 1]
+    for r in reversed(range(R)):
+        if be[r] == 0:
+            bs[r] = be[r] = be[r + 1] if r + 1 < R else fe[r]
+    Fr, Br = fe - fs, be - bs
+    xf = np.maximum(0, fs[1:] - fe[:-1])
+    xb = np.maximum(0, bs[:-1] - be[1:])
+    turn = max(0, int(bs[-1] - fe[-1]))
+    lead = int(fs[0])
+    end = int(free.max()) if len(free) else 0
+    tail = []
+    for g, runs in enumerate(groups):
+        done = int(free[list(devices[g])].max())
+        tail.append(max(0, done - int(max(be[r] for r in runs))))
+    return StageTimes(Fr, Br, xf, xb, turn, lead, tail, end)
+
+
+def compose(t: StageTimes, p: int, v: int, m: int, schedule: str, act=None):
+    """The step of ``m`` micro-batches on ``p`` groups of ``v`` runs each (run ``c * p + s`` is
+    chunk c of group s) under ``schedule``.  Returns (end of the step after ``lead``, per
+    group the end of its last backward, per group its busy time, per group its first
+    forward's start, per group the largest sum of ``act[r]`` over the (run, micro-batch)
+    pairs it holds in flight at once; ``act``: (runs, k) array of per-run weights, or
+    None)."""
+    R = p * v
+    orders = [schedule_order(schedule, p, v, m, s) for s in range(p)]
+    pos = [0] * p
+    free = [0] * p
+    fdone = np.full((R, m), -1, np.int64)
+    bdone = np.full((R, m), -1, np.int64)
+    first = [None] * p
+    k = act.shape[1] if act is not None else 0
+    held = [np.zeros(k, np.int64) for _ in range(p)]
+    peak = [np.zeros(k, np.int64) for _ in range(p)]
+    busy = [0] * p
+    left = sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for s in range(p):
+            while pos[s] < len(orders[s]):
+                what, c, b = orders[s][pos[s]]
+                r = c * p + s
+                if what == "F":
+                    if r == 0:
+                        ready = 0
+                    elif fdone[r - 1, b] < 0:
+                        break
+                    else:
+                        ready = int(fdone[r - 1, b]) + int(t.xf[r - 1])
+                    start = max(ready, free[s])
+                    end = fdone[r, b] = start + int(t.F[r])
+                    if first[s] is None:
+                        first[s] = start
+                    if k:
+                        held[s] += act[r]
+                        np.maximum(peak[s], held[s], out=peak[s])
+                    busy[s] += int(t.F[r])
+                else:
+                    if r == R - 1:
+                        if fdone[r, b] < 0:
+                            break
+                        ready = int(fdone[r, b]) + t.turn
+                    elif bdone[r + 1, b] < 0:
+                        break
+                    else:
+                        ready = int(bdone[r + 1, b]) + int(t.xb[r])
+                    if fdone[r, b] < 0:
+                        break
+                    start = max(ready, free[s])
+                    end = bdone[r, b] = start + int(t.B[r])
+                    if k:
+                        held[s] -= act[r]
+                    busy[s] += int(t.B[r])
+                free[s] = end
+                pos[s] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks (p={p}, v={v}, m={m})")
+    last_b = [max(int(bdone[c * p + s].max()) for c in range(v)) for s in range(p)]
+    return last_b, busy, [f or 0 for f in first], peak
+
+
+def simulate_pipelined(sim, strategy):
+    """One step of pipelined ``strategy`` on ``sim`` (a :class:`flexflow.sim.Simulator`),
+    as the module's doc says: the fields of its :class:`SimResult`, ``bubble`` included."""
+    from ..graph.micro import microbatch_graph
+    from ..strategy.strategy import Strategy
+    pipe = strategy.pipeline
+    m, p, v = pipe.microbatches, pipe.num_stages, pipe.interleave
+    subs = sim.__dict__.setdefault("_micro_simulators", {})
+    sub = subs.get(m)
+    if sub is None:
+        graph = microbatch_graph(sim.graph, m)
+        sub = subs[m] = type(sim)(graph, sim.machine, sim.cost_model, optimizer=sim.optimizer, sync=sim.sync,
+                                  reduce_outputs=sim.reduce_outputs, precision=sim.precision)
+    micro = Strategy(sub.graph, dict(strategy.items()), name=strategy.name)
+    one = sub.simulate(micro)
+    ctx = sub.ctx
+    stage = pipe.stage_of()
+    run_of_op = np.array([stage.get(op.name, -1) for op in ctx.ops], np.int64)
+    groups = [[c * p + s for c in range(v)] for s in range(p)]
+    t = stage_times(sub._sched.arrays, sub._sched.free, run_of_op, groups, pipe.stages)
+    act = _activations(sub, pipe, run_of_op)
+    last_b, busy, first, held = compose(t, p, v, m, pipe.schedule, act)
+    after = int(round(one.iteration_time * PS)) - t.end
+    end = t.lead + max(last_b[g] + t.tail[g] for g in range(p)) + max(0, after)
+    D = ctx.D
+    peak = np.array(one.peak_memory, np.int64)
+    for g in range(p):
+        devs = list(pipe.stages[g])
+        once = act[groups[g]].sum(axis=0)
+        peak[devs] += np.maximum(0, held[g] - once)[devs]
+    peak += ctx.live.input_bytes * (m - 1)  # every rank holds the whole batch it was handed
+    peak_l = [int(x) for x in peak]
+    msg = out_of_memory(peak_l, ctx.capacity)
+    span = max(last_b[g] + t.tail[g] for g in range(p))
+    gb = int(np.argmax(busy))
+    bubble = max(0.0, (span - busy[gb] - t.tail[gb]) / end) if end > 0 else 0.0
+    return dict(
+        iteration_time=end / PS, comm_bytes=one.comm_bytes * m, sync_bytes=one.sync_bytes,
+        peak_memory=peak_l, feasible=not msg, message=msg,
+        device_busy=[x * m for x in one.device_busy[:D]], link_busy=[x * m for x in one.link_busy],
+        memory_capacity=list(ctx.capacity), num_tasks=one.num_tasks * m, strategy_name=strategy.name,
+        model_flops=sim._flops[0], peak_flops=sim._flops[1], tokens=sim._tokens, bubble=bubble)
+
+
+def _activations(sub, pipe, run_of_op: np.ndarray) -> np.ndarray:
+    """(runs, devices): what lives on each device of a run's group at the end of the run's
+    forward, less what lived before its first op, in the micro-batch's liveness (memory.py:
+    position o is op o's forward)."""
+    diff = sub._tg.MEMDIFF
+    R, D = len(pipe.runs), diff.shape[1]
+    bounds = []
+    for r in range(R):
+        idx = np.nonzero(run_of_op == r)[0]
+        bounds.append((int(idx.min()), int(idx.max())) if len(idx) else (0, -1))
+    wanted = sorted({b - 1 for b, _ in bounds} | {e for _, e in bounds})
+    live, running, at = {}, np.zeros(D, np.int64), 0
+    for pos in wanted:
+        if pos >= at:
+            running = running + diff[at:pos + 1].sum(axis=0)
+            at = pos + 1
+        live[pos] = running.copy() if pos >= 0 else np.zeros(D, np.int64)
+    act = np.zeros((R, D), np.int64)
+    for r, (b, e) in enumerate(bounds):
+        if e < b:
+            continue
+        devs = list(pipe.stages[pipe.runs[r][0]])
+        act[r, devs] = np.maximum(0, live[e] - live[b - 1])[devs]
+    return act
