@@ -116,7 +116,7 @@ def pipeline_layout(graph: OpGraph, configs, microbatches: int, schedule: str) -
     p, v = len(groups), len(runs) // len(groups)
     expected = [groups[k % p] for k in range(len(runs))]
     if len(runs) % p or [g for g, _ in runs] != expected:
-        bad = next(k for k in range(len(runs)) if k >= len(expected) or runs[k][0] != expected[k])
+        bad = next((k for k in range(len(runs)) if runs[k][0] != expected[k]), len(runs) - len(runs) % p)
         first = graph.op(runs[bad][1][0])
         raise StrategyError(
             f"the pipeline's stages must be met in order ({p} device groups, then again from the "
