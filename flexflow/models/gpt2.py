@@ -34,6 +34,10 @@ class GPT2Config:
     # flattened rows, cross_entropy(logits.view(-1, V), targets.view(-1)), as nanoGPT,
     # llm-foundry and Hugging Face write it (the same value)
     loss: str = "transposed"
+    # the LM head shares the token embedding (GPT-2); False gives it its own weight, as a
+    # pipeline that holds the embedding on its first stage and the head on its last keeps
+    # a copy of it (Megatron-LM)
+    tie_embeddings: bool = True
 
 
 # size -> (layers, width, heads); "paper" is the 124M model
@@ -115,6 +119,7 @@ class GPT2(nn.Module):
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width, eps=cfg.eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.width, cfg.vocab, bias=False)
         if not any(p.device.type == "meta" for p in self.parameters()):
             self._init_weights()
 
@@ -124,7 +129,7 @@ class GPT2(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, resid_std if name.endswith("c_proj") else 0.02)
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
     def forward(self, tokens, targets):
@@ -135,7 +140,8 @@ class GPT2(nn.Module):
             x = self.drop(x)
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # (B, T, V), tied head
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.ln_f(x), head)  # (B, T, V), tied head unless told otherwise
         if self.config.loss == "flat":
             return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return F.cross_entropy(logits.transpose(1, 2), targets)

@@ -148,6 +148,9 @@ class ParamPlanning:
             if self.sync == "ps":
                 cp.ps_ps += self.ps_sync_ps(devices, rb)
                 dur = 1  # the sync task only orders the updates; its time comes after the graph
+            elif self.sync == "deferred":
+                cp.ps_ps = max(cp.ps_ps, dur)
+                dur = 1
             elif level and gb:
                 # the parameters' all-gathers are tasks of their own, as the executor runs them:
                 # before the users' forward (prefetched: ready from the start of the step) and at

@@ -35,8 +35,8 @@ import numpy as np
 
 from ..strategy.pipeline import schedule_order
 from .memory import out_of_memory
-from .schedcore import ALIVE, DUR, FIN, PRIO
-from .taskkeys import _AB, _JB, _PB, PS, B, F
+from .schedcore import ALIVE, DUR, FIN, PRIO, RES1
+from .taskkeys import _AB, _JB, _PB, PS, UPD, XB, XF, B, F
 
 __all__ = ["StageTimes", "compose", "stage_times"]
 
@@ -55,52 +55,70 @@ class StageTimes:
         self.turn, self.lead, self.tail, self.end = turn, lead, tail, end
 
 
-def stage_times(arrays, free, run_of_op: np.ndarray, groups: list, devices: list) -> StageTimes:
+def stage_times(arrays, free, run_of_op: np.ndarray, prod_run: np.ndarray, groups: list,
+                devices: list) -> StageTimes:
     """Read a micro-batch's :class:`StageTimes` off the scheduler's arrays (``arrays``:
     :class:`flexflow.sim.schedarrays.TaskArrays` after a run, ``free`` when each resource is
-    done); ``run_of_op[o]``: the run of op index o (-1: none); ``groups[g]``: the runs of
-    group g; ``devices[g]``: its devices."""
+    done); ``run_of_op[o]``: the run of op index o (-1: none); ``prod_run[o, j]``: the run of
+    the producer of op o's input j (-1: none); ``groups[g]``: the runs of group g;
+    ``devices[g]``: its devices.
+
+    The micro-batch runs its runs one after another, so run r's forward is taken from the
+    arrival of its last activation from run r - 1 (or the end of run r - 1's forward, if
+    later) to the end of its last forward task, and its backward likewise from the arrival
+    of the last gradient from run r + 1 (the last run: from the end of its forward): tasks
+    that could start early (ops fed by constants) do not stretch a run."""
     n = arrays.n
     H, C = arrays.H, arrays.C
     alive = C[:n, ALIVE] != 0
-    fin, dur, prio = H[:n, FIN][alive], H[:n, DUR][alive], H[:n, PRIO][alive]
+    fin, prio = H[:n, FIN][alive], H[:n, PRIO][alive]
     head = prio >> (2 * _PB + _JB)
     kind, a = head & 7, head >> 3
+    jj = (prio >> (2 * _PB)) & ((1 << _JB) - 1)
     R = sum(len(g) for g in groups)
 
-    def spans(k: int, op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def ends(k: int, op: np.ndarray) -> np.ndarray:
         sel = kind == k
-        ops = op[sel]
-        runs = run_of_op[ops]
+        runs = run_of_op[op[sel]]
         keep = runs >= 0
-        runs, f, d = runs[keep], fin[sel][keep], dur[sel][keep]
-        lo = np.full(R, np.iinfo(np.int64).max, np.int64)
         hi = np.zeros(R, np.int64)
-        np.minimum.at(lo, runs, f - d)
-        np.maximum.at(hi, runs, f)
-        empty = lo > hi
-        lo[empty] = hi[empty] = 0
-        return lo, hi
-    fs, fe = spans(F, a)
-    bs, be = spans(B, _AMAX - a)
-    # a run with no tasks of its own (free views) starts where the previous one ended
-    for r in range(R):
-        if fe[r] == 0 and r:
-            fs[r] = fe[r] = fe[r - 1]
-    for r in reversed(range(R)):
-        if be[r] == 0:
-            bs[r] = be[r] = be[r + 1] if r + 1 < R else fe[r]
-    Fr, Br = fe - fs, be - bs
-    xf = np.maximum(0, fs[1:] - fe[:-1])
-    xb = np.maximum(0, bs[:-1] - be[1:])
-    turn = max(0, int(bs[-1] - fe[-1]))
-    lead = int(fs[0])
+        np.maximum.at(hi, runs[keep], fin[sel][keep])
+        return hi
+
+    def arrivals(k: int, op: np.ndarray, back: bool) -> np.ndarray:
+        # the last message between neighbouring runs, per receiving run
+        sel = kind == k
+        ops, js, f = op[sel], jj[sel], fin[sel]
+        cons = run_of_op[ops]
+        prod = prod_run[ops, np.minimum(js, prod_run.shape[1] - 1)]
+        cross = (cons >= 0) & (prod >= 0) & (cons != prod)
+        hi = np.zeros(R, np.int64)
+        np.maximum.at(hi, prod[cross] if back else cons[cross], f[cross])
+        return hi
+    fe = ends(F, a)
+    be = ends(B, _AMAX - a)
+    af = arrivals(XF, a, back=False)
+    ab = arrivals(XB, _AMAX - a, back=True)
+    for r in range(1, R):  # a run with no tasks of its own (free views) ends where it starts
+        fe[r] = max(fe[r], fe[r - 1])
+    for r in reversed(range(R - 1)):
+        be[r] = max(be[r], be[r + 1])
+    be[R - 1] = max(be[R - 1], fe[R - 1])
+    start_f = np.concatenate([[0], np.maximum(fe[:-1], af[1:])])
+    start_b = np.concatenate([np.maximum(be[1:], ab[:-1]), [fe[-1]]])
+    Fr = np.maximum(0, fe - start_f)
+    Br = np.maximum(0, be - start_b)
+    xf = np.maximum(0, start_f[1:] - fe[:-1])
+    xb = np.maximum(0, start_b[:-1] - be[1:])
     end = int(free.max()) if len(free) else 0
-    tail = []
-    for g, runs in enumerate(groups):
-        done = int(free[list(devices[g])].max())
-        tail.append(max(0, done - int(max(be[r] for r in runs))))
-    return StageTimes(Fr, Br, xf, xb, turn, lead, tail, end)
+    # per group, after its last backward: its optimizer step (the update tasks of its busiest
+    # device; the caller adds the deferred gradient sync)
+    sel = kind == UPD
+    res, dur = H[:n, RES1][alive][sel], H[:n, DUR][alive][sel]
+    ok = res >= 0
+    upd = np.bincount(res[ok], weights=dur[ok], minlength=len(free))
+    tail = [int(upd[list(devices[g])].max()) for g in range(len(groups))]
+    return StageTimes(Fr, Br, xf, xb, 0, 0, tail, end)
 
 
 def compose(t: StageTimes, p: int, v: int, m: int, schedule: str, act=None):
@@ -180,7 +198,8 @@ def simulate_pipelined(sim, strategy):
     sub = subs.get(m)
     if sub is None:
         graph = microbatch_graph(sim.graph, m)
-        sub = subs[m] = type(sim)(graph, sim.machine, sim.cost_model, optimizer=sim.optimizer, sync=sim.sync,
+        sync = "deferred" if sim.sync == "ring" else sim.sync  # synced once, after the last micro-batch
+        sub = subs[m] = type(sim)(graph, sim.machine, sim.cost_model, optimizer=sim.optimizer, sync=sync,
                                   reduce_outputs=sim.reduce_outputs, precision=sim.precision)
     micro = Strategy(sub.graph, dict(strategy.items()), name=strategy.name)
     one = sub.simulate(micro)
@@ -188,7 +207,14 @@ def simulate_pipelined(sim, strategy):
     stage = pipe.stage_of()
     run_of_op = np.array([stage.get(op.name, -1) for op in ctx.ops], np.int64)
     groups = [[c * p + s for c in range(v)] for s in range(p)]
-    t = stage_times(sub._sched.arrays, sub._sched.free, run_of_op, groups, pipe.stages)
+    t = stage_times(sub._sched.arrays, sub._sched.free, run_of_op, _producer_runs(ctx, stage), groups,
+                    pipe.stages)
+    if sub.sync == "deferred":  # each group's gradient sync follows its last backward
+        tg = sub._tg
+        owner = {d: g for g, devs in enumerate(pipe.stages) for d in devs}
+        for c, cp in enumerate(tg.CPLAN):
+            if tg.CLPS[c] and cp.bucket_bytes:
+                t.tail[owner[next(iter(next(iter(cp.bucket_bytes))))]] += int(tg.CLPS[c])
     act = _activations(sub, pipe, run_of_op)
     last_b, busy, first, held = compose(t, p, v, m, pipe.schedule, act)
     after = int(round(one.iteration_time * PS)) - t.end
@@ -211,6 +237,16 @@ def simulate_pipelined(sim, strategy):
         device_busy=[x * m for x in one.device_busy[:D]], link_busy=[x * m for x in one.link_busy],
         memory_capacity=list(ctx.capacity), num_tasks=one.num_tasks * m, strategy_name=strategy.name,
         model_flops=sim._flops[0], peak_flops=sim._flops[1], tokens=sim._tokens, bubble=bubble)
+
+
+def _producer_runs(ctx, stage: dict) -> np.ndarray:
+    """(ops, most inputs): the run of the producer of each op's input j (-1: none)."""
+    width = max((len(op.inputs) for op in ctx.ops), default=0) or 1
+    out = np.full((len(ctx.ops), width), -1, np.int64)
+    for o, op in enumerate(ctx.ops):
+        for j, src in enumerate(op.inputs):
+            out[o, j] = stage.get(src, -1)
+    return out
 
 
 def _activations(sub, pipe, run_of_op: np.ndarray) -> np.ndarray:

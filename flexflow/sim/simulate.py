@@ -291,7 +291,7 @@ class Simulator:
         executor does so when that bucket's gate follows every activation exchange, which
         this takes as "no exchange at all" (a strategy that mixes both is charged the
         loss's latency)."""
-        if self.sync != "ring":
+        if self.sync == "ps":
             return 0
         m, per_group = self.machine, {}
         for cp in tg.CPLAN:
@@ -306,7 +306,7 @@ class Simulator:
     def _after_graph_ps(self, tg: TaskGraph) -> int:
         """What the step adds after the task graph: the parameter server's time (sync="ps")
         and, with communication on the computing cores, the collectives' latencies."""
-        extra = int(tg.CLPS.sum())
+        extra = int(tg.CLPS.sum()) if self.sync != "deferred" else 0
         if self.ctx.comm_on_cores:
             extra += self._collective_latency_ps(tg) + self._skew_ps(tg)
         return extra

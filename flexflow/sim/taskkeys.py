@@ -11,7 +11,10 @@ __all__ = ["PS", "KIND_NAMES", "SYNC_MODELS", "decode_prio"]
 # "ring": bucketed ring all-reduce overlapping the backward (what the executor and DDP do);
 # "ps": the paper's runtime -- gradients gathered to one replica, updated, sent back, after
 # the task graph with no overlap (only to set the paper's figures side by side)
-SYNC_MODELS = ("ring", "ps")
+# "deferred" (a pipeline's micro-batch, sim/pipeline.py): the ring all-reduce's time is kept
+# out of the task graph (in ``ps_ps``, per cluster the longest of its groups' syncs), as a
+# pipeline syncs once after its last micro-batch
+SYNC_MODELS = ("ring", "ps", "deferred")
 
 PS = 10**12  # picoseconds per second
 # Kinds in tie-breaking order: at equal ready time a transfer goes before compute of the same

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Iterator
 
 from ..graph.ir import Op, OpGraph, repeated_block
+from ..graph.micro import microbatch_graph
 from .candidates import candidate_configs
 from .config import REPLICA, SHARD_LEVELS, ParallelConfig, StrategyError
 from .megatron import megatron_configs
@@ -352,7 +353,10 @@ def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, int
         raise StrategyError(f"megatron with tp={tp}, pp={pp} on {D} devices splits each micro-batch "
                             f"{D // pp // tp} ways, more than its {per_mb} samples: raise tp or pp, or "
                             "use fewer micro-batches")
-    flat = cls.megatron(graph, sub, tp=tp, shard=shard)
+    # the plan of one micro-batch (each op's degrees split a micro-batch); same op names
+    micro = microbatch_graph(graph, microbatches) if isinstance(microbatches, int) and microbatches > 1 \
+        and graph.batch_size and graph.batch_size % microbatches == 0 and graph.module is not None else graph
+    flat = cls.megatron(micro, sub, tp=tp, shard=shard)
     configs = stage_configs(graph, dict(flat._configs), pp, interleave, D // pp, tp)
     name = f"megatron_pp{pp}" if not shard else f"fsdp_tp_pp{pp}" if shard == 3 else f"megatron_z{shard}_pp{pp}"
     return cls(graph, configs, machine, name=name, pipeline={"microbatches": microbatches, "schedule": schedule})
