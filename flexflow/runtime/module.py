@@ -54,10 +54,13 @@ class ParallelModule(nn.Module):
     only reports it.  ``no_sync()``: see there.
     """
 
-    def __init__(self, module: nn.Module, runtime: Runtime):
+    def __init__(self, module: nn.Module, runtime: Runtime, *, pipeline=None, strategy: Strategy | None = None):
         super().__init__()
         object.__setattr__(self, "_module", module)  # not a submodule: its tensors are not ours
         object.__setattr__(self, "_runtime", runtime)
+        # a pipelined strategy: the runtime runs one micro-batch a forward, the driver the schedule
+        object.__setattr__(self, "_pipeline", pipeline)
+        object.__setattr__(self, "_strategy", strategy or runtime.strategy)
         for qual, p in runtime.params.items():
             owner, name = self._owner(qual)
             owner.register_parameter(name, p)
@@ -100,8 +103,8 @@ class ParallelModule(nn.Module):
 
     @property
     def strategy(self) -> Strategy:
-        """The strategy this module runs."""
-        return self._runtime.strategy
+        """The strategy this module runs (with its pipeline, where it has one)."""
+        return self._strategy
 
     @property
     def graph(self):
@@ -115,9 +118,12 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs, **kwargs):
         """The original module's forward on the global inputs (the same on every rank); returns
         its outputs on every rank."""
+        flat = self._runtime.graph.flat_inputs(inputs, kwargs)
+        if self._pipeline is not None:  # the whole schedule, backward included (runtime.pipeline)
+            return self._pipeline.step(flat, sync=self.require_backward_grad_sync)
         if torch.is_grad_enabled():  # the backward of this forward synchronizes or not
             self._runtime.sync.skip = not self.require_backward_grad_sync
-        return self._runtime.run(self._runtime.graph.flat_inputs(inputs, kwargs))
+        return self._runtime.run(flat)
 
     # -- gradients ------------------------------------------------------------
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
