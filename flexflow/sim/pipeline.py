@@ -250,26 +250,32 @@ def _producer_runs(ctx, stage: dict) -> np.ndarray:
 
 
 def _activations(sub, pipe, run_of_op: np.ndarray) -> np.ndarray:
-    """(runs, devices): what lives on each device of a run's group at the end of the run's
-    forward, less what lived before its first op, in the micro-batch's liveness (memory.py:
-    position o is op o's forward)."""
-    diff = sub._tg.MEMDIFF
-    R, D = len(pipe.runs), diff.shape[1]
-    bounds = []
+    """(runs, devices): the activations a micro-batch leaves on each device of a run's group
+    from the run's forward: the ops' memory events (memory.py; position o is op o's
+    forward) that fall in the run's forward, less those freed there: what its ops allocate
+    and still hold at the end of its forward.  Parameters, their gradients and optimizer
+    state, and the bfloat16 copies of the weights (events of the parameter clusters, shared
+    by every micro-batch) are not counted."""
+    tg = sub._tg
+    R, D = len(pipe.runs), tg.MEMDIFF.shape[1]
+    lo = np.full(R, -1, np.int64)
+    hi = np.full(R, -2, np.int64)
     for r in range(R):
         idx = np.nonzero(run_of_op == r)[0]
-        bounds.append((int(idx.min()), int(idx.max())) if len(idx) else (0, -1))
-    wanted = sorted({b - 1 for b, _ in bounds} | {e for _, e in bounds})
-    live, running, at = {}, np.zeros(D, np.int64), 0
-    for pos in wanted:
-        if pos >= at:
-            running = running + diff[at:pos + 1].sum(axis=0)
-            at = pos + 1
-        live[pos] = running.copy() if pos >= 0 else np.zeros(D, np.int64)
+        if len(idx):
+            lo[r], hi[r] = idx.min(), idx.max()
     act = np.zeros((R, D), np.int64)
-    for r, (b, e) in enumerate(bounds):
-        if e < b:
+    for o in np.nonzero(run_of_op >= 0)[0]:
+        ev = tg.MEV[o]
+        if ev is None or not len(ev[0]):
             continue
-        devs = list(pipe.stages[pipe.runs[r][0]])
-        act[r, devs] = np.maximum(0, live[e] - live[b - 1])[devs]
-    return act
+        pos, rows = ev
+        for r in range(R):
+            sel = (pos >= lo[r]) & (pos <= hi[r])
+            if sel.any():
+                act[r] += rows[sel].sum(axis=0)
+    for r in range(R):
+        keep = np.zeros(D, bool)
+        keep[list(pipe.stages[pipe.runs[r][0]])] = True
+        act[r][~keep] = 0
+    return np.maximum(act, 0)
