@@ -113,6 +113,8 @@ def parallelized(name: str, batch: int, spec: str, seed: int):
         graph = ff.trace(module, example)
         if kind in ("random", "zero"):
             strategy = getattr(Strategy, kind)(graph, machine, int(arg))
+        elif kind == "pipe":  # pipeline stages over the ranks, 1F1B over ``arg`` micro-batches
+            strategy = Strategy.megatron(graph, machine, tp=1, pp=world, microbatches=int(arg))
         else:
             strategy = getattr(Strategy, kind)(graph, machine)
     return module, ff.parallelize(module, example_inputs=example, strategy=strategy, machine=machine)

@@ -33,10 +33,13 @@ TOL = 1e-5
 MODELS = {"mlp": 8, "rnnlm": 4}  # model -> batch
 SAVES = [("mp", "mlp", 8, "model_parallel"),  # whole layers on either rank
          ("lstm", "rnnlm", 4, "random:1"),  # LSTM gates split along H: 4 boxes of each weight per rank
-         ("z3", "mlp", 8, "zero:3")]  # flat slices of replicated regions (rows cut mid-row)
+         ("z3", "mlp", 8, "zero:3"),  # flat slices of replicated regions (rows cut mid-row)
+         ("pipe", "mlp", 8, "pipe:2")]  # two pipeline stages, 1F1B over 2 micro-batches
 LOADS = [("mp>z3", "mlp", 8, "zero:3", "mp"),
          ("lstm>dp", "rnnlm", 4, "data_parallel", "lstm"),
-         ("one>mp", "mlp", 8, "model_parallel", "one")]  # saved by one process
+         ("one>mp", "mlp", 8, "model_parallel", "one"),  # saved by one process
+         ("pipe>z3", "mlp", 8, "zero:3", "pipe"),  # saved under a pipeline, loaded under fsdp
+         ("z3>pipe", "mlp", 8, "pipe:2", "z3")]  # and back
 
 
 @pytest.fixture(scope="module")
