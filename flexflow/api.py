@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import settings
-from .graph.micro import microbatch_graph
 from .graph.trace import trace
 from .hardware.machine import Machine
 from .plan import (
@@ -42,9 +41,8 @@ from .plan import (
     measure_plan,
     searched_plan,
 )
-from .runtime.execute import Runtime
 from .runtime.module import ParallelModule
-from .runtime.pipeline import PipelineDriver
+from .runtime.pipeline import runtime_for
 from .runtime.plan import BUCKET_CAP_MB, REDUCE_OUTPUTS, RUN_PRECISIONS, _precision_error
 from .runtime.program import check_programs
 from .sim.memory import optimizer_state_copies
@@ -435,16 +433,10 @@ def parallelize(module: nn.Module, devices=None, example_inputs=None, *, example
                             timeout_s=timeout_s, steps=finalist_steps, seconds=measure_s,
                             bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs)
         chosen = _as_strategy(plan.strategy, graph, machine, ranks, machine_given)
-    run_graph, run_strategy = graph, chosen
-    if chosen.pipeline is not None:  # the runtime runs one micro-batch a forward (runtime.pipeline)
-        run_graph = microbatch_graph(graph, chosen.pipeline.microbatches)
-        run_strategy = Strategy(run_graph, dict(chosen.items()), name=chosen.name)
-        check_partition_shapes(run_graph, run_strategy)
-        reduce_outputs = "eager"  # each micro-batch's loss is summed at once, not with the gradients
-    runtime = Runtime(run_graph, run_strategy, module, ranks, device=device, timeout_s=timeout_s,
-                      bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision)
+    # a pipelined strategy: a runtime of one micro-batch and the driver of its schedule
+    runtime, driver = runtime_for(graph, chosen, module, ranks, device=device, timeout_s=timeout_s,
+                                  bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision)
     check_programs(runtime)  # a mismatch between ranks is an error now, not a hang at the first step
-    driver = PipelineDriver(runtime, chosen.pipeline, graph) if chosen.pipeline is not None else None
     par = ParallelModule(module, runtime, pipeline=driver, strategy=chosen)
     if plan is not None and plan.strategy is None:
         plan.strategy = chosen

@@ -216,14 +216,27 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def _strategy_arg(name, graph, machine, precision="32-true"):
+def _strategy_arg(name, graph, machine, precision="32-true", pipe=None):
+    """The --strategy: a built-in or a file; ``pipe`` (tp, pp, microbatches, schedule,
+    interleave) shapes ``megatron`` and ``fsdp_tp``, and pipelines any other built-in."""
     from .strategy.config import StrategyError
     from .strategy.strategy import Strategy
+    tp, pp, mb, sched, v = pipe or (None, 1, 1, "1f1b", 1)
+    three = dict(tp=tp, pp=pp, microbatches=mb, schedule=sched, interleave=v)
     builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
                 "expert": Strategy.expert, "zero1": lambda g, m: Strategy.zero(g, m, 1),
                 "zero2": lambda g, m: Strategy.zero(g, m, 2), "fsdp": Strategy.fsdp,
-                "megatron": Strategy.megatron, "fsdp_tp": lambda g, m: Strategy.megatron(g, m, shard=3)}
+                "megatron": lambda g, m: Strategy.megatron(g, m, **three),
+                "fsdp_tp": lambda g, m: Strategy.megatron(g, m, shard=3, **three)}
+    if pipe is not None and name not in ("megatron", "fsdp_tp") and (pp != 1 or v != 1 or tp is not None):
+        raise CLIError("--tp, --pp and --interleave shape --strategy megatron or fsdp_tp; other strategies "
+                       "take --microbatches and --schedule only")
     if name in builtins:
+        if pipe is not None and name not in ("megatron", "fsdp_tp") and (mb != 1 or sched != "1f1b"):
+            try:
+                return builtins[name](graph, machine).with_pipeline(mb, sched)
+            except StrategyError as e:
+                raise CLIError(f"--strategy {name} with --microbatches {mb}: {e}") from None
         try:
             return builtins[name](graph, machine)
         except StrategyError as e:
@@ -251,7 +264,8 @@ def _sim_json(label, machine, strategy_name, res, batch, precision="32-true"):
             "throughput": batch / res.iteration_time if res.iteration_time > 0 else 0.0,
             "comm_bytes": res.comm_bytes, "sync_bytes": res.sync_bytes,
             "peak_memory_bytes": list(res.peak_memory), "feasible": res.feasible,
-            "mfu": getattr(res, "mfu", 0.0), "tokens_per_s_per_device": getattr(res, "tokens_per_s_per_device", 0.0)}
+            "mfu": getattr(res, "mfu", 0.0), "tokens_per_s_per_device": getattr(res, "tokens_per_s_per_device", 0.0),
+            "bubble": getattr(res, "bubble", 0.0)}
 
 
 def _precision_arg(args) -> str:
@@ -271,6 +285,8 @@ def _print_sim(label, machine, strategy_name, res, batch, precision="32-true"):
     print(f"  peak memory       {_fmt_bytes(max(res.peak_memory)):>12} (max over devices)"
           f"{'' if res.feasible else '   INFEASIBLE: ' + str(getattr(res, 'message', ''))}")
     print(f"  memory per device {_memory_per_device(res)}")
+    if getattr(res, "bubble", 0.0):
+        print(f"  pipeline bubble   {100 * res.bubble:10.1f} % of the step (the busiest stage waiting)")
 
 
 def _memory_per_device(res) -> str:
@@ -293,12 +309,16 @@ def cmd_simulate(args) -> int:
     from .sim.simulate import Simulator
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
     graph = _trace(module, inputs, args.batch_dim)
-    strategy = _strategy_arg(args.strategy, graph, machine, precision)
+    strategy = _strategy_arg(args.strategy, graph, machine, precision,
+                             (args.tp, args.pp, args.microbatches, args.schedule, args.interleave))
     if args.recompute == "blocks":
         strategy = strategy.recompute_blocks()
     sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer, precision=precision)
     res = sim.simulate(strategy, incremental=False)
     if args.trace:
+        if strategy.pipeline is not None:
+            raise CLIError("--trace: a pipelined step is composed from one micro-batch's timeline and has none "
+                           "of its own; leave out --pp / --microbatches to trace the plan's micro-batch")
         res.to_chrome_trace(args.trace)
     name = args.strategy if not os.path.isfile(args.strategy) else os.path.basename(args.strategy)
     if args.recompute == "blocks":
@@ -444,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "fsdp_tp, or a strategy .json file")
             s.add_argument("--recompute", choices=("none", "blocks"), default="none",
                            help="blocks: every op of the repeated blocks recomputed (block checkpointing)")
+            s.add_argument("--tp", type=int, help="megatron / fsdp_tp: tensor-parallel degree (default: a node)")
+            s.add_argument("--pp", type=int, default=1, help="megatron / fsdp_tp: pipeline stages")
+            s.add_argument("--microbatches", type=int, default=1, help="micro-batches a step is cut into")
+            s.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
+                           help="the pipeline's schedule")
+            s.add_argument("--interleave", type=int, default=1,
+                           help="megatron / fsdp_tp: virtual stages per device group (interleaving)")
             s.add_argument("--trace", help="write a Chrome/Perfetto timeline here")
         else:
             s.add_argument("--budget", type=float, default=30.0, help="seconds")

@@ -169,3 +169,22 @@ def test_3d_plan_of_a_library_decoder_simulates():
     assert set(s[loss.name].devices) <= set(s.pipeline.stages[-1])
     r = ff.Simulator(g, mach).simulate(s)
     assert r.feasible and r.iteration_time > 0 and 0 < r.bubble < 1
+
+
+def test_identical_replicas_are_simulated_once_and_agree_with_all_of_them(monkeypatch):
+    import flexflow.sim.pipeline as P
+    module, inputs = get("llama", batch_size=32, size="small")
+    g = ff.trace(module, inputs)
+    mach = _machine(32)  # 4 nodes of 8
+    s = ff.Strategy.megatron(g, mach, tp=4, pp=2, microbatches=4)
+    d, rep = P.replicas(s)
+    assert d == 4 and all(max(c.devices) < 8 for c in rep.values())
+    fast = ff.Simulator(g, mach).simulate(s)
+    monkeypatch.setattr(P, "replicas", lambda strategy: (1, None))
+    full = ff.Simulator(g, mach).simulate(s)
+    assert fast.iteration_time == pytest.approx(full.iteration_time, rel=0.1)
+    assert max(fast.peak_memory) == pytest.approx(max(full.peak_memory), rel=0.1)
+    assert len(fast.peak_memory) == len(full.peak_memory) == 32
+    # a shard level spans the replicas: simulated whole
+    monkeypatch.undo()
+    assert P.replicas(ff.Strategy.megatron(g, mach, tp=4, pp=2, microbatches=4, shard=1))[0] == 1

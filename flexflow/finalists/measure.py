@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ..runtime.execute import Runtime
+from ..runtime.pipeline import runtime_for
 from ..runtime.module import ParallelModule
 from ..runtime.program import check_programs
 from .select import Finalist
@@ -87,14 +87,16 @@ class _Run:
                  optimizer, precision="32-true"):
         self.f = f
         timeout_s = min(timeout_s, max(FINALIST_TIMEOUT_S, 20 * f.predicted_s))
-        self.runtime = Runtime(graph, f.bind(graph), module, ranks, device=device, timeout_s=timeout_s,
-                               bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision)
+        strategy = f.bind(graph)
+        self.runtime, driver = runtime_for(graph, strategy, module, ranks, device=device, timeout_s=timeout_s,
+                                           bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs,
+                                           precision=precision)
         try:
             check_programs(self.runtime)
         except BaseException:
             self.runtime.close(wait_s=0.0)
             raise
-        self.model = ParallelModule(module, self.runtime)
+        self.model = ParallelModule(module, self.runtime, pipeline=driver, strategy=strategy)
         self.opt = _optimizer(self.model.parameters(), optimizer)
 
     def steps(self, n: int, inputs, kwargs) -> None:

@@ -32,7 +32,30 @@ import torch
 from ..strategy.pipeline import schedule_order
 from .plan import ExecutorError
 
-__all__ = ["PipelineDriver"]
+__all__ = ["PipelineDriver", "runtime_for"]
+
+
+def runtime_for(graph, strategy, module, ranks, **kw):
+    """(runtime, driver) of ``strategy`` on this rank: a :class:`Runtime` of ``graph`` and no
+    driver, or for a pipelined strategy a runtime of one micro-batch's graph (each forward
+    one micro-batch, each micro-batch's loss summed over the ranks at once) and the
+    :class:`PipelineDriver` that runs the schedule.  ``kw``: the Runtime's arguments."""
+    from ..graph.micro import microbatch_graph
+    from ..strategy.shapecheck import check_partition_shapes
+    from ..strategy.strategy import Strategy
+    from .execute import Runtime
+    pipe = strategy.pipeline
+    if pipe is None:
+        return Runtime(graph, strategy, module, ranks, **kw), None
+    micro = microbatch_graph(graph, pipe.microbatches)
+    one = Strategy(micro, dict(strategy.items()), name=strategy.name)
+    check_partition_shapes(micro, one)
+    runtime = Runtime(micro, one, module, ranks, **dict(kw, reduce_outputs="eager"))
+    try:
+        return runtime, PipelineDriver(runtime, pipe, graph)
+    except BaseException:
+        runtime.close(wait_s=0.0)
+        raise
 
 
 class _StepDone(torch.autograd.Function):

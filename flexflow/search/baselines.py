@@ -1,20 +1,22 @@
 """The baselines a search is compared with: data parallel, model parallel, expert, OptCNN,
 ZeRO-1, ZeRO-2 and FSDP (data parallelism with every replicated parameter at shard level 1,
 2, 3) where the graph has parameters to shard, and Megatron's tensor parallelism (``megatron``; with ``shard`` also the
-2-D FSDP x TP plan, ``fsdp_tp``) where it has pairs of linear layers to split."""
+2-D FSDP x TP plan, ``fsdp_tp``) where it has pairs of linear layers to split, and
+3-D plans with pipeline stages (``megatron_ppP``) where the machine spans nodes too."""
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 
-from ..graph.ir import OpGraph
+from ..graph.ir import OpGraph, repeated_block
 from ..strategy.config import StrategyError
 from ..strategy.megatron import linear_pairs
 from ..strategy.strategy import Strategy
 from .common import Candidates
 from .optcnn import optcnn
 
-__all__ = ["MEMORY_BASELINES", "baseline_strategies", "memory_baselines"]
+__all__ = ["MEMORY_BASELINES", "baseline_strategies", "memory_baselines", "pipeline_baselines"]
 
 # the baselines simulated only where data parallelism does not fit (see ``mcmc.search``)
 MEMORY_BASELINES = ("zero1", "zero2", "fsdp", "megatron", "fsdp_tp")
@@ -55,7 +57,35 @@ def memory_baselines(graph: OpGraph, machine, *, shard: bool = True,
                 out["fsdp_tp"] = Strategy.megatron(graph, machine, shard=3)
         except StrategyError:  # a batch smaller than the data-parallel degree
             out.pop("megatron", None)
+        out.update(pipeline_baselines(graph, machine))
     return {k: s for k, s in out.items() if s != dp}
+
+
+def pipeline_baselines(graph: OpGraph, machine) -> dict[str, Strategy]:
+    """The 3-D plans (``Strategy.megatron`` with ``pp`` of 2, 4 and 8 stages, tensor
+    parallelism inside a node, every block recomputed, 1F1B over 4 pp micro-batches, or
+    fewer where the batch has too few samples for its data-parallel replicas) where the
+    machine spans nodes and the graph has repeated blocks to cut; named ``megatron_ppP``."""
+    D, dpn, B = machine.num_devices, getattr(machine, "devices_per_node", machine.num_devices), graph.batch_size
+    blocks = {repeated_block(op.module_path) for op in graph.compute_ops} - {""}
+    if D <= dpn or len(blocks) < 2 or B is None or graph.module is None:
+        return {}
+    out = {}
+    for pp in (2, 4, 8):
+        if D % pp or pp > len(blocks):
+            continue
+        tp = math.gcd(D // pp, dpn)
+        dp = D // pp // tp
+        m = next((k for k in (4 * pp, 2 * pp, pp) if B % k == 0 and (B // k) % dp == 0), None)
+        if m is None:
+            continue
+        try:
+            out[f"megatron_pp{pp}"] = Strategy.megatron(graph, machine, tp=tp, pp=pp, microbatches=m).recompute_blocks()
+        except StrategyError:  # too few heads, blocks or samples for it
+            continue
+    for k, s in out.items():
+        s.name = k
+    return out
 
 
 # ------------------------------------------------------------------------------ reuse
@@ -84,7 +114,9 @@ def reused(key, graph: OpGraph, machine):
     _REUSE.move_to_end(key)
     strategies, results = hit[0], hit[1]
     if any(s.graph is not graph for s in strategies.values()):
-        strategies = {k: Strategy(graph, dict(s), machine, name=s.name) for k, s in strategies.items()}
+        strategies = {k: Strategy(graph, dict(s), machine, name=s.name,
+                                  pipeline=s.pipeline.to_dict() if s.pipeline is not None else None)
+                      for k, s in strategies.items()}
     return dict(strategies), dict(results)
 
 

@@ -31,6 +31,8 @@ micro-batches under GPipe and 1F1B, and (v m + p - 1) / (v m) interleaved over v
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..strategy.pipeline import schedule_order
@@ -38,7 +40,7 @@ from .memory import out_of_memory
 from .schedcore import ALIVE, DUR, FIN, PRIO, RES1
 from .taskkeys import _AB, _JB, _PB, PS, UPD, XB, XF, B, F
 
-__all__ = ["StageTimes", "compose", "stage_times"]
+__all__ = ["StageTimes", "compose", "replicas", "simulate_pipelined", "stage_times"]
 
 _AMAX = (1 << _AB) - 1
 
@@ -187,11 +189,19 @@ def compose(t: StageTimes, p: int, v: int, m: int, schedule: str, act=None):
     return last_b, busy, [f or 0 for f in first], peak
 
 
-def simulate_pipelined(sim, strategy):
+def simulate_pipelined(sim, strategy, cross=None):
     """One step of pipelined ``strategy`` on ``sim`` (a :class:`flexflow.sim.Simulator`),
-    as the module's doc says: the fields of its :class:`SimResult`, ``bubble`` included."""
+    as the module's doc says: the fields of its :class:`SimResult`, ``bubble`` included.
+    Identical data-parallel replicas (:func:`replicas`) are simulated once
+    (``_deduplicated``); ``cross``: (replicas, device stride, the whole machine) when
+    ``sim`` simulates one of them, whose gradients each group then all-reduces across them
+    after its last backward."""
     from ..graph.micro import microbatch_graph
     from ..strategy.strategy import Strategy
+    if cross is None:
+        d, rep = replicas(strategy)
+        if d > 1:
+            return _deduplicated(sim, strategy, d, rep)
     pipe = strategy.pipeline
     m, p, v = pipe.microbatches, pipe.num_stages, pipe.interleave
     subs = sim.__dict__.setdefault("_micro_simulators", {})
@@ -215,6 +225,8 @@ def simulate_pipelined(sim, strategy):
         for c, cp in enumerate(tg.CPLAN):
             if tg.CLPS[c] and cp.bucket_bytes:
                 t.tail[owner[next(iter(next(iter(cp.bucket_bytes))))]] += int(tg.CLPS[c])
+    if cross is not None:
+        _cross_sync(sub, pipe, t, *cross)
     act = _activations(sub, pipe, run_of_op)
     last_b, busy, first, held = compose(t, p, v, m, pipe.schedule, act)
     after = int(round(one.iteration_time * PS)) - t.end
@@ -279,3 +291,95 @@ def _activations(sub, pipe, run_of_op: np.ndarray) -> np.ndarray:
         keep[list(pipe.stages[pipe.runs[r][0]])] = True
         act[r][~keep] = 0
     return np.maximum(act, 0)
+
+
+def replicas(strategy) -> tuple[int, dict | None]:
+    """(d, configs of replica 0) where the strategy's ops are d identical data-parallel
+    replicas: every op split along its sample dim (or replicated) first, d dividing that
+    degree, the partitions of replica r on the devices of replica 0 plus ``r * D / d``, and
+    no parameter sharded (a shard level spans the replicas); else (1, None).  Replica 0's
+    configs split one d-th of each micro-batch on devices ``0 .. D / d - 1``."""
+    from ..strategy.config import REPLICA, ParallelConfig
+    D = strategy.num_devices or (max(strategy.devices_used()) + 1)
+    graph = strategy.graph
+    ks = []
+    for name, cfg in strategy.items():
+        if cfg.shard:
+            return 1, None
+        op = graph.op(name)
+        sd = op.sample_dim
+        first = next((x.name for x in op.dims if cfg.degree(x.name) > 1), None)
+        axis = sd.name if sd is not None and cfg.degree(sd.name) > 1 else REPLICA
+        if cfg.degree(axis) < 2 or (axis != REPLICA and first != axis):
+            return 1, None
+        ks.append(cfg.degree(axis))
+    d = 0
+    for k in ks:
+        d = math.gcd(d, k)
+    d = math.gcd(d, D)
+    if d < 2 or D % d:
+        return 1, None
+    S = D // d
+    out = {}
+    for name, cfg in strategy.items():
+        devs = cfg.devices
+        block = len(devs) // d
+        base = devs[:block]
+        if max(base) >= S or any(devs[r * block + j] != base[j] + r * S for r in range(d) for j in range(block)):
+            return 1, None
+        op = graph.op(name)
+        sd = op.sample_dim
+        axis = sd.name if sd is not None and cfg.degree(sd.name) > 1 else REPLICA
+        degrees = dict(cfg.degrees)
+        degrees[axis] //= d
+        out[name] = ParallelConfig(degrees, base, cfg.shard, cfg.recompute)
+    return d, out
+
+
+def _deduplicated(sim, strategy, d: int, rep: dict) -> dict:
+    """``strategy``'s step from one of its d replicas: replica 0 simulated on the first D / d
+    devices with a d-th of the batch, its gradient sync across the replicas costed on the
+    whole machine; every replica's devices given replica 0's figures."""
+    from ..graph.micro import microbatch_graph
+    from ..strategy.strategy import Strategy
+    D = sim.ctx.D
+    S = D // d
+    subs = sim.__dict__.setdefault("_replica_simulators", {})
+    rsim = subs.get(d)
+    if rsim is None:
+        graph = microbatch_graph(sim.graph, d)
+        rsim = subs[d] = type(sim)(graph, sim.machine.with_devices(S), sim.cost_model, optimizer=sim.optimizer,
+                                   sync=sim.sync, reduce_outputs=sim.reduce_outputs, precision=sim.precision)
+    one = Strategy(rsim.graph, rep, name=strategy.name, pipeline=strategy.pipeline.to_dict())
+    out = simulate_pipelined(rsim, one, cross=(d, S, sim.machine))
+    extra = sim.ctx.live.input_bytes - rsim.ctx.live.input_bytes  # every rank holds the whole batch
+    peak = [int(x) + extra for _ in range(d) for x in out["peak_memory"]]
+    msg = out_of_memory(peak, sim.ctx.capacity)
+    out.update(peak_memory=peak, feasible=not msg, message=msg, memory_capacity=list(sim.ctx.capacity),
+               device_busy=[x for _ in range(d) for x in out["device_busy"]],
+               link_busy=[0.0] * len(sim.machine.links),  # (per link of one replica's machine only)
+               comm_bytes=out["comm_bytes"] * d, num_tasks=out["num_tasks"] * d,
+               model_flops=sim._flops[0], peak_flops=sim._flops[1], tokens=sim._tokens)
+    return out
+
+
+def _cross_sync(sub, pipe, t: StageTimes, d: int, S: int, machine) -> None:
+    """Add to each group's tail the all-reduce of its devices' gradients across the d
+    replicas (device j with ``j + r * S``), in buckets as the executor sends them; a group's
+    devices reduce at once, the slowest counted."""
+    from ..cost.model import GRAD_BUCKET_BYTES
+    grad = np.zeros(sub.ctx.D, np.int64)
+    for cp in sub._tg.CPLAN:
+        grad += cp.grad
+    seen: dict = {}
+    for g, devs in enumerate(pipe.stages):
+        worst = 0
+        for j in devs:
+            key = (j % machine.devices_per_node, int(grad[j]))
+            if key not in seen:
+                group = [j + r * S for r in range(d)]
+                s = (machine.allreduce_time_s(group, int(grad[j])) if machine.spec.comm_on_cores
+                     else machine.bucketed_allreduce_time_s(group, int(grad[j]), GRAD_BUCKET_BYTES))
+                seen[key] = int(round(s * PS))
+            worst = max(worst, seen[key])
+        t.tail[g] += worst
