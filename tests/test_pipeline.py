@@ -131,12 +131,16 @@ def test_impossible_pipelines_say_why():
         ff.Strategy.megatron(g, _machine(16), tp=1, pp=16)
 
 
-def test_one_micro_batch_on_one_stage_is_the_plain_step():
+def test_one_micro_batch_on_one_stage_is_the_plain_step(monkeypatch):
+    import flexflow.sim.pipeline as P
     m, x, g = _mlp()
     mach = _machine(4)
     sim = ff.Simulator(g, mach)
     s = ff.Strategy.data_parallel(g, mach)
-    plain, piped = sim.simulate(s), sim.simulate(s.with_pipeline(1))
+    plain, once = sim.simulate(s), sim.simulate(s.with_pipeline(1))  # (4 replicas simulated once)
+    assert once.iteration_time == pytest.approx(plain.iteration_time, rel=1e-3)
+    monkeypatch.setattr(P, "replicas", lambda strategy: (1, None))
+    piped = ff.Simulator(g, mach).simulate(s.with_pipeline(1))
     assert piped.iteration_time == pytest.approx(plain.iteration_time, rel=1e-9)
     assert piped.peak_memory == plain.peak_memory and piped.bubble == 0.0
 

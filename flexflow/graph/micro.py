@@ -6,6 +6,8 @@ and, for a model on the meta device, seconds.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -60,5 +62,14 @@ def microbatch_graph(graph: OpGraph, microbatches: int) -> OpGraph:
         raise ValueError(f"the model traced on a micro-batch of {B // microbatches} has other ops than "
                          f"on its batch of {B} (first differences: {diff}): a pipeline needs a model whose "
                          "ops do not depend on the batch size")
+    # the full graph's dims, the batch's cut: a micro-batch of one sample would otherwise be
+    # read as no batch at all (its axis of size 1 is not a dim), and the strategies of the full
+    # graph would name dims its ops do not have
+    for op in micro.ops:
+        full = graph.op(op.name)
+        op.dims = [dataclasses.replace(d, size=d.size // microbatches) if d.kind == "sample" else d
+                   for d in full.dims]
+    micro.batch_size = B // microbatches
+    micro.whole_reasons = dict(graph.whole_reasons)
     cache[microbatches] = micro
     return micro

@@ -238,6 +238,8 @@ def simulate_pipelined(sim, strategy, cross=None):
         once = act[groups[g]].sum(axis=0)
         peak[devs] += np.maximum(0, held[g] - once)[devs]
     peak += ctx.live.input_bytes * (m - 1)  # every rank holds the whole batch it was handed
+    if cross is not None:  # the buckets of the gradients all-reduced across the replicas
+        peak += _cross_buckets(sub)
     peak_l = [int(x) for x in peak]
     msg = out_of_memory(peak_l, ctx.capacity)
     span = max(last_b[g] + t.tail[g] for g in range(p))
@@ -361,6 +363,20 @@ def _deduplicated(sim, strategy, d: int, rep: dict) -> dict:
                comm_bytes=out["comm_bytes"] * d, num_tasks=out["num_tasks"] * d,
                model_flops=sim._flops[0], peak_flops=sim._flops[1], tokens=sim._tokens)
     return out
+
+
+def _cross_buckets(sub) -> np.ndarray:
+    """Per device, the gradient bytes it all-reduces across the replicas and no bucket
+    among its own replica's devices holds yet: the flat buckets the executor keeps for them
+    the whole step (memory.py's communication buffers)."""
+    D = sub.ctx.D
+    grad = np.zeros(D, np.int64)
+    held = np.zeros(D, np.int64)
+    for cp in sub._tg.CPLAN:
+        grad += cp.grad
+        for devices, nb in cp.bucket_bytes.items():
+            held[list(devices)] += nb
+    return np.maximum(0, grad - held)
 
 
 def _cross_sync(sub, pipe, t: StageTimes, d: int, S: int, machine) -> None:
