@@ -40,6 +40,10 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     each tensor-parallel rank), ``precision`` and ``pipeline`` (None: no pipeline stages).
     Each data-parallel rank feeds its share of the global batch (:func:`local_batch`)."""
     D = getattr(strategy, "num_devices", None)
+    pipe = getattr(strategy, "pipeline", None)
+    if pipe is not None:
+        raise StrategyError(f"this plan is a pipeline ({pipe}); its description for torch.distributed.pipelining "
+                            "is not written yet: run it with flexflow.parallelize")
     ops = graph.compute_ops
     dp = tp = None
     shard = None

@@ -192,3 +192,16 @@ def test_identical_replicas_are_simulated_once_and_agree_with_all_of_them(monkey
     # a shard level spans the replicas: simulated whole
     monkeypatch.undo()
     assert P.replicas(ff.Strategy.megatron(g, mach, tp=4, pp=2, microbatches=4, shard=1))[0] == 1
+
+
+def test_the_search_weighs_3d_plans_where_memory_binds_on_several_nodes():
+    module, inputs = get("llama", batch_size=32, size="small")
+    g = ff.trace(module, inputs)
+    mach = _machine(16)
+    dp = ff.Simulator(g, mach).simulate(ff.Strategy.data_parallel(g, mach))
+    tight = mach.with_memory(int(max(dp.peak_memory) * 0.8))
+    r = ff.search(g, tight, evaluations=60, seed=0)
+    piped = r.baselines["megatron_pp2"]
+    assert piped.feasible and piped.bubble > 0
+    assert r.result.feasible and r.result.iteration_time <= piped.iteration_time
+    assert r.baseline_strategies["megatron_pp2"].pipeline.num_stages == 2

@@ -42,7 +42,9 @@ _ITERATIONS = 3
 
 def _free(strategy: Strategy) -> Strategy:
     """The strategy's configs with no machine recorded (it is simulated on corrected copies)."""
-    return Strategy(strategy.graph, dict(strategy.items()), name=strategy.name)
+    pipe = strategy.pipeline
+    return Strategy(strategy.graph, dict(strategy.items()), name=strategy.name,
+                    pipeline=pipe.to_dict() if pipe is not None else None)
 
 
 def _packed(strategy_json: str) -> str:

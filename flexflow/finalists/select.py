@@ -74,13 +74,18 @@ def not_runnable(strategy: Strategy, precision: str = "32-true") -> str | None:
     from ..runtime.plan import RUN_PRECISIONS
     if precision not in RUN_PRECISIONS:
         return f"precision {precision!r}: the executor runs {', '.join(RUN_PRECISIONS)}"
+    pipe = getattr(strategy, "pipeline", None)
+    if pipe is not None and (pipe.interleave > 1 or pipe.schedule not in ("gpipe", "1f1b")):
+        return f"schedule {pipe.schedule!r}: the executor runs the 'gpipe' and '1f1b' schedules"
     return None
 
 
 def rebind(strategy: Strategy, machine) -> Strategy:
     """The same configs, recorded as made for ``machine`` (a search on a corrected copy of the
     machine made them; the plan runs them on the machine itself)."""
-    return Strategy(strategy.graph, dict(strategy.items()), machine, name=strategy.name)
+    pipe = strategy.pipeline
+    return Strategy(strategy.graph, dict(strategy.items()), machine, name=strategy.name,
+                    pipeline=pipe.to_dict() if pipe is not None else None)
 
 
 def pick_finalists(found, count: int, first: str, machine, precision: str = "32-true",
