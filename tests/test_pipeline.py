@@ -205,3 +205,21 @@ def test_the_search_weighs_3d_plans_where_memory_binds_on_several_nodes():
     assert piped.feasible and piped.bubble > 0
     assert r.result.feasible and r.result.iteration_time <= piped.iteration_time
     assert r.baseline_strategies["megatron_pp2"].pipeline.num_stages == 2
+
+
+def test_pipeline_moves_change_micro_batches_schedule_and_stage_boundaries():
+    from flexflow.search.pipemoves import neighbours
+    m, x, g = _mlp(batch=32, layers=8)
+    mach = _machine(4)
+    s = ff.Strategy.megatron(g, mach, tp=1, pp=2, microbatches=4)
+    near = neighbours(s)
+    specs = {(n.pipeline.microbatches, n.pipeline.schedule) for n in near}
+    assert {(8, "1f1b"), (2, "1f1b"), (4, "gpipe")} <= specs
+    sizes = sorted(len(n.pipeline.runs[0][1]) for n in near if n.pipeline.microbatches == 4
+                   and n.pipeline.schedule == "1f1b")
+    first = len(s.pipeline.runs[0][1])
+    assert sizes and min(sizes) < first < max(sizes)  # a block handed either way
+    assert all(n != s for n in near)
+    sim = ff.Simulator(g, mach)
+    for n in near:
+        assert sim.simulate(n).iteration_time > 0

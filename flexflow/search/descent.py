@@ -33,8 +33,10 @@ def _evaluate(sim, strategy, limit_s: float | None, delta: bool):
 class _Descent:
     """The current strategy, its cost key and its load bound; ``round`` tries changes of it."""
 
-    def __init__(self, run: _Run, sims: list, make_sim, ev: Evaluator, delta: bool, screen: bool):
+    def __init__(self, run: _Run, sims: list, make_sim, ev: Evaluator, delta: bool, screen: bool,
+                 until: float = 1.0):
         self.run, self.sims, self.make_sim, self.ev, self.delta = run, list(sims), make_sim, ev, delta
+        self.until = until
         self.cur = run.best
         while len(self.sims) < ROUND:
             self.sims.append(None)  # made when a round first needs it
@@ -58,7 +60,7 @@ class _Descent:
         run, bound = self.run, self.bound
         pulled = []  # (strategy, groups, screened), counted in this order below
         while len(pulled) < ROUND:
-            if run.spent(1.0, patience=False, pending=len(pulled)):
+            if run.spent(self.until, patience=False, pending=len(pulled)):
                 if not pulled:
                     return None
                 break
@@ -111,7 +113,7 @@ class _Lookahead:
 
 def descend(run: _Run, space: _Space, graph, sims: list, make_sim, ev: Evaluator, delta: bool, seed: int,
             screen: bool = True, levers: Levers | None = None,
-            repeats: Repeats | None = None) -> tuple[bool, int]:
+            repeats: Repeats | None = None, until: float = 1.0) -> tuple[bool, int]:
     """Local descent from the run's best strategy: single-group changes (groups in a seeded
     order, each group's candidates in rounds) until a pass over every group improves
     nothing; then whole-kind lever moves and aligned repeated blocks; then pair moves (two
@@ -120,10 +122,11 @@ def descend(run: _Run, space: _Space, graph, sims: list, make_sim, ev: Evaluator
     after one of those improves.  ``sims``: simulators to use (the chains', best first; more
     are made by ``make_sim`` when a round needs them).  Returns True when it converged (no
     single-group or pair change improves: a local optimum), False when the budget ran out
-    first; and how many changes the load lower bound settled."""
-    if run.spent(1.0, patience=False):
+    first; and how many changes the load lower bound settled.  ``until``: the share of the
+    budget it may use up to."""
+    if run.spent(until, patience=False):
         return False, 0
-    d = _Descent(run, sims[:ROUND], make_sim, ev, delta, screen)
+    d = _Descent(run, sims[:ROUND], make_sim, ev, delta, screen, until)
     order = list(range(len(space.reps)))
     random.Random(seed).shuffle(order)
     pairs = None  # (producer group, consumer group, their common configs): made when first reached

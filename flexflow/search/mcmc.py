@@ -18,6 +18,7 @@ from .baselines import baseline_strategies, cpu_seconds, keep, memory_baselines,
 from .levers import LEVER_MOVE, Levers
 from .descent import _evaluate, descend, is_local_optimum
 from .parallel import ROUND, Evaluator
+from .pipemoves import descend_pipeline
 from .repeats import REPEAT_MOVE, Repeats
 from .common import (
     BASELINES,
@@ -207,7 +208,11 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
     baseline_s = time.perf_counter() - t0
     run = _Run(machine, budget, evaluations, t0, progress, scale_s)
     rng = random.Random(seed)
-    mcmc_frac = 0.75 if polish else 1.0
+    # pipelined plans (the 3-D baselines) get the last fifth of the budget: their own moves
+    # (micro-batches, schedule, stage boundaries: pipemoves.py) from the fastest of them
+    piped = [k for k in base if base[k].pipeline is not None and k in base_res]
+    polish_frac = 0.8 if piped else 1.0
+    mcmc_frac = (0.6 if piped else 0.75) if polish else polish_frac
     proposed = accepted = 0
     try:
         state, cost, sims, bounds, size = [], [], [], [], []
@@ -298,7 +303,10 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
             if polish and space.movable:
                 order = sorted(range(len(starts)), key=cost.__getitem__)  # the best chain's first
                 converged, _ = descend(run, space, graph, [sims[c] for c in order], make_sim, ev, delta, seed,
-                                       screen, levers, repeats)
+                                       screen, levers, repeats, until=polish_frac)
+            if piped:  # the fastest pipelined plan's own moves
+                first = min(piped, key=lambda k: run.key(base_res[k]))
+                descend_pipeline(run, make_sim(), base[first], base_res[first], 1.0)
     finally:
         run.close()
 
@@ -316,7 +324,8 @@ def search(graph: OpGraph, machine, budget: float = 30.0, seed: int = 0, cost_mo
         if same is not None:  # the search ended where a baseline started: say so
             best, best_res, source = base[same], base_res[same], same
         else:
-            best = Strategy(graph, dict(best), machine, name="search")
+            best = Strategy(graph, dict(best), machine, name="search",
+                            pipeline=best.pipeline.to_dict() if best.pipeline is not None else None)
     return SearchResult(best, best_res, base_res, run.evals, time.perf_counter() - t0, base,
                         run.history, accepted / max(proposed, 1), beta, [n for n, _ in starts],
                         source, converged, baseline_s, run.sims, run.screens, run.cuts,

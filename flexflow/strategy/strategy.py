@@ -70,7 +70,7 @@ class Strategy(Mapping):
 
     def __hash__(self):
         h = hash(tuple(sorted(self._configs.items())))
-        return h if self.pipeline is None else hash((h, _spec(self.pipeline)))
+        return h if self.pipeline is None else hash((h, self.pipeline.microbatches, self.pipeline.schedule))
 
     def _derive(self, configs, name=None, pipeline=False) -> "Strategy":
         s = Strategy.__new__(Strategy)
@@ -102,6 +102,17 @@ class Strategy(Mapping):
         configs = dict(self._configs)
         for m in self.graph.groups[op.group]:
             configs[m] = config
+        return self._derive(configs)
+
+    def replaced(self, changes: Mapping[str, ParallelConfig]) -> "Strategy":
+        """A new strategy with the ops of ``changes`` (op name -> config; each share group
+        whole) on their new configs, checked once (the pipeline too)."""
+        configs = dict(self._configs)
+        for name, cfg in changes.items():
+            op = self.graph.op(name)
+            validate_config(op, cfg, self.num_devices)
+            for m in self.graph.groups[op.group]:
+                configs[m] = cfg
         return self._derive(configs)
 
     def recompute_blocks(self) -> "Strategy":
