@@ -9,8 +9,9 @@ deep parameter-heavy MLP (8 tanh layers of 1024 x 1024 and a classifier), AdamW.
 processes every plan has p stages of one process each (``Strategy.megatron(tp=1, pp=p,
 microbatches=M)``: the blocks cut by FLOPs, embedding first, head and loss last).  torch's
 ``PipelineStage`` runs the same blocks on each stage (read off the flexflow strategy) under
-``ScheduleGPipe`` / ``Schedule1F1B`` with the same micro-batch count, its loss function the
-model's cross-entropy.  DDP: the whole model on every process, each feeding its share of
+``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (two chunks a process) with
+the same micro-batch count, its loss function the model's cross-entropy; each torch stage
+holds its own blocks only.  DDP: the whole model on every process, each feeding its share of
 the batch.  Reported: median step time over alternating rounds (a round counted at its
 slowest rank), MemTracker's peak of one step (max over ranks), and the simulator's
 prediction of each plan on this host's calibrated machine.  Writes
@@ -72,25 +73,32 @@ def build(name: str):
 
 class Stage(nn.Module):
     """Blocks ``ids`` of ``module`` (with its embedding on the first stage, its head on the
-    last): what torch's PipelineStage runs."""
+    last), and nothing else of it: what torch's PipelineStage runs."""
 
     def __init__(self, module, ids, first: bool, last: bool):
         super().__init__()
-        self.m, self.ids, self.first, self.last = module, list(ids), first, last
+        self.llama, self.first, self.last = isinstance(module, Llama), first, last
+        self.blocks = nn.ModuleList((module.layers if self.llama else module.blocks)[i] for i in ids)
+        if self.llama:
+            self.register_buffer("cos", module.cos, persistent=False)
+            self.register_buffer("sin", module.sin, persistent=False)
+            self.emb = module.tok_embeddings if first else None
+            self.norm, self.out = (module.norm, module.output) if last else (None, None)
+        else:
+            self.head = module.head if last else None
 
     def forward(self, x):
-        m = self.m
-        if isinstance(m, Llama):
+        if self.llama:
             T = x.shape[1]
-            cos, sin = m.cos.narrow(0, 0, T), m.sin.narrow(0, 0, T)
+            cos, sin = self.cos.narrow(0, 0, T), self.sin.narrow(0, 0, T)
             if self.first:
-                x = m.tok_embeddings(x)
-            for i in self.ids:
-                x = m.layers[i](x, cos, sin)
-            return m.output(m.norm(x)) if self.last else x
-        for i in self.ids:
-            x = m.blocks[i](x)
-        return m.head(x) if self.last else x
+                x = self.emb(x)
+            for b in self.blocks:
+                x = b(x, cos, sin)
+            return self.out(self.norm(x)) if self.last else x
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x) if self.last else x
 
 
 def _loss(out, target):
@@ -98,17 +106,17 @@ def _loss(out, target):
 
 
 def _split(graph, strategy) -> list[list[int]]:
-    """Per stage, the blocks flexflow placed there."""
+    """Per virtual stage (run), the blocks flexflow placed there."""
     from flexflow.graph.ir import repeated_block
     stage_of = strategy.pipeline.stage_of()
-    out = [[] for _ in strategy.pipeline.stages]
+    out = [[] for _ in strategy.pipeline.runs]
     for op in graph.compute_ops:
         block = repeated_block(op.module_path)
         if block:
             i = int(block.split(".")[-1])
-            s = strategy.pipeline.runs[stage_of[op.name]][0]
-            if i not in out[s]:
-                out[s].append(i)
+            r = stage_of[op.name]
+            if i not in out[r]:
+                out[r].append(i)
     return out
 
 
@@ -156,7 +164,7 @@ class Trainer:
 
 def _worker(rank: int, name: str, steps: int, rounds: int):
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -168,18 +176,26 @@ def _worker(rank: int, name: str, steps: int, rounds: int):
     sim = ff.Simulator(graph, machine, CostModel.for_machine(machine), optimizer="adam", reduce_outputs="eager")
     plans = _plans(graph, machine, world)
     split = None
-    for sched in ("1f1b", "gpipe"):
+    for sched in ("1f1b", "gpipe", "interleaved"):
         s = plans[sched]
-        split = _split(graph, s)
+        runs_split = _split(graph, s)
+        if sched == "1f1b":
+            split = runs_split
         pm = ff.parallelize(module, example_inputs=inputs, strategy=s, machine=machine)
         # forward() runs the schedule, backwards included: called as a function, not a tracked module call
         runs[f"flexflow {sched}"] = Trainer(pm, lambda pm=pm: pm.forward(*inputs).backward())
         r = sim.simulate(s)
         predicted[sched] = {"ms": r.iteration_time * 1e3, "peak": max(r.peak_memory), "bubble": r.bubble}
-        stage_mod = Stage(copy.deepcopy(module), split[rank], rank == 0, rank == world - 1)
-        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
-        cls = Schedule1F1B if sched == "1f1b" else ScheduleGPipe
-        schedule = cls(stage, MICRO, loss_fn=_loss)
+        copy_ = copy.deepcopy(module)
+        n = len(runs_split)  # torch's stages: this rank's runs, stage index r (run r on rank r % world)
+        mine = [r for r in range(n) if r % world == rank]
+        mods = [Stage(copy_, runs_split[r], r == 0, r == n - 1) for r in mine]
+        stages = [PipelineStage(mod, r, n, torch.device("cpu")) for mod, r in zip(mods, mine)]
+        if sched == "interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=_loss)
+        else:
+            schedule = (Schedule1F1B if sched == "1f1b" else ScheduleGPipe)(stages[0], MICRO, loss_fn=_loss)
+        stage_mod = nn.ModuleList(mods)
 
         def run(schedule=schedule):
             if rank == 0:
@@ -205,12 +221,15 @@ def _worker(rank: int, name: str, steps: int, rounds: int):
     for k, t in runs.items():
         if k.startswith("flexflow"):
             t.model.runtime.close()
-    return {"times": times, "peaks": peaks, "predicted": predicted, "split": split, "machine": machine.name}
+    return {"times": times, "peaks": peaks, "predicted": predicted, "split": split, "machine": machine.name,
+            "interleaved_split": runs_split}
 
 
 def _plans(graph, machine, world: int) -> dict:
-    return {"1f1b": ff.Strategy.megatron(graph, machine, tp=1, pp=world, microbatches=MICRO, schedule="1f1b"),
-            "gpipe": ff.Strategy.megatron(graph, machine, tp=1, pp=world, microbatches=MICRO, schedule="gpipe"),
+    mk = ff.Strategy.megatron
+    return {"1f1b": mk(graph, machine, tp=1, pp=world, microbatches=MICRO, schedule="1f1b"),
+            "gpipe": mk(graph, machine, tp=1, pp=world, microbatches=MICRO, schedule="gpipe"),
+            "interleaved": mk(graph, machine, tp=1, pp=world, microbatches=MICRO, interleave=2),
             "ddp": ff.Strategy.data_parallel(graph, machine)}
 
 
@@ -236,6 +255,7 @@ def measure(name: str, world: int, steps: int, rounds: int) -> dict:
     res = ff.launch(_worker, world, name, steps, rounds, timeout_s=1800)
     per = {k: [max(r["times"][k][i] for r in res) for i in range(rounds)] for k in res[0]["times"]}
     return {"model": name, "processes": world, "machine": res[0]["machine"], "split": res[0]["split"],
+            "interleaved_split": res[0]["interleaved_split"],
             "step_ms": {k: statistics.median(v) * 1000 for k, v in per.items()},
             "spread_ms": {k: [min(v) * 1000, max(v) * 1000] for k, v in per.items()},
             "peak_bytes": {k: max(r["peaks"][k] for r in res) for k in per},
@@ -266,6 +286,10 @@ def write(rows, command: str, seconds: float, out: Path) -> None:
                          f"{peak / 2**20:.1f} | {pred['peak'] / 2**20:.1f} | {pred['peak'] / peak - 1:+.0%} | "
                          f"{pred['bubble']:.2f} |")
         f, t = row["step_ms"].get("flexflow 1f1b"), row["step_ms"].get("torch 1f1b")
+        fi, ti = row["step_ms"].get("flexflow interleaved"), row["step_ms"].get("torch interleaved")
+        if fi and ti:
+            lines += ["", f"Interleaved (2 chunks a process, blocks per virtual stage {row['interleaved_split']}): "
+                      f"flexflow / torch ScheduleInterleaved1F1B {fi / ti:.2f}x."]
         if f and t:
             lines += ["", f"flexflow 1F1B / torch Schedule1F1B: {f / t:.2f}x (aim: at most 1.1x). "
                       f"1F1B peak below GPipe's: flexflow "

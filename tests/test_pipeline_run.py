@@ -1,6 +1,7 @@
-"""Pipelined strategies run for real: GPipe and 1F1B on 2 and 4 gloo processes train
-equal to one process (float32, 1e-5), with data and tensor parallelism, shard levels,
-recomputation, accumulation under no_sync and global-norm clipping."""
+"""Pipelined strategies run for real: GPipe, 1F1B, interleaved 1F1B and looped GPipe on 2
+and 4 gloo processes train equal to one process (float32, 1e-5), with data and tensor
+parallelism, shard levels, recomputation, accumulation under no_sync and global-norm
+clipping."""
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,17 @@ TWO = [("1f1b", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 4}, {}),
        ("rc", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2}, {"recompute": True}),
        ("accum", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2}, {"accumulate": True, "clip": 0.05}),
        ("llama", "llama", 8, {"tp": 1, "pp": 2, "microbatches": 4}, {}),
-       ("interleaved", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2}, {"refused": True})]
+       ("interleaved", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2}, {}),
+       ("looped", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2, "schedule": "gpipe"}, {})]
 FOUR = [("pp4", "mlp", 16, {"tp": 1, "pp": 4, "microbatches": 8}, {}),
         ("dp2pp2", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 4}, {}),
         ("z1", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "shard": 1}, {}),
         ("z3", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "shard": 3}, {"recompute": True}),
-        ("tp2pp2", "llama", 8, {"tp": 2, "pp": 2, "microbatches": 2}, {})]
+        ("tp2pp2", "llama", 8, {"tp": 2, "pp": 2, "microbatches": 2}, {}),
+        ("inter_dp", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 4, "interleave": 2}, {"recompute": True}),
+        ("inter_tp", "mlp", 16, {"tp": 2, "pp": 2, "microbatches": 2, "interleave": 2}, {}),
+        ("inter_z1", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2, "shard": 1},
+         {"refused": True})]
 
 
 def _check(ranks, cases):
@@ -39,7 +45,7 @@ def test_two_stages_train_equal_to_one_process():
     ranks = launch(W.suite, 2, TWO, timeout_s=240)
     _check(ranks, TWO)
     assert ranks[0]["1f1b"]["stages"] == [[0], [1]] and ranks[0]["gpipe"]["schedule"] == "gpipe"
-    assert "'gpipe' and '1f1b'" in ranks[0]["interleaved"]
+    assert ranks[0]["interleaved"]["schedule"] == "interleaved-1f1b"
 
 
 @pytest.mark.slow
@@ -48,3 +54,4 @@ def test_four_ranks_mix_stages_with_data_and_tensor_parallelism_and_shards():
     _check(ranks, FOUR)
     assert ranks[0]["dp2pp2"]["stages"] == [[0, 2], [1, 3]]
     assert ranks[0]["tp2pp2"]["stages"] == [[0, 1], [2, 3]]
+    assert "without shard levels" in ranks[0]["inter_z1"]

@@ -137,5 +137,9 @@ class Comm:
 
     def _end_backward(self) -> None:
         self._bwd_armed = False
+        if getattr(self, "defer_waits", False):  # a pipeline: waited for at the end of its step
+            self._sends.extend(self._bwd_sends)
+            self._bwd_sends = []
+            return
         works, self._bwd_sends = [w for ws, _ in self._bwd_sends for w in ws], []
         self.wait(works, lambda: "gradient sends (end of backward)")

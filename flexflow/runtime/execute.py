@@ -59,16 +59,18 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
 
     def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
                  *, device=None, timeout_s: float = 300.0, bucket_cap_mb: float = BUCKET_CAP_MB,
-                 reduce_outputs: str = "with_gradients", precision: str = "32-true"):
+                 reduce_outputs: str = "with_gradients", precision: str = "32-true", segments: dict | None = None):
         self.distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if self.distributed else 0
         world = dist.get_world_size() if self.distributed else 1
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
         super().__init__(graph, strategy, module, ranks, rank=rank, world=world, device=device,
-                         bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision)
+                         bucket_cap_mb=bucket_cap_mb, reduce_outputs=reduce_outputs, precision=precision,
+                         segments=segments)
         self.nccl = self.distributed and dist.get_backend() == "nccl"
         self.step = 0  # forward passes run so far (error messages name the step)
         self.closed = False
+        self.defer_waits = False  # a pipeline's driver: messages waited for at the end of its step
         compile_program(self)
         self._recv: dict = {}  # exchange index -> (works, buffers), forward
         self._sends: list = []  # (works, tensors) of this step's forward sends, kept alive until waited
@@ -96,6 +98,12 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
     # -- forward --------------------------------------------------------------
     def run(self, inputs):
         """The graph's outputs (full values on every rank) for the global inputs."""
+        state = self.start(inputs)
+        return self.advance(state, 0, len(self.program), finish=True)
+
+    def start(self, inputs) -> dict:
+        """Begin a forward on the global inputs: the state that :meth:`advance` carries
+        through the program (a pipeline runs it a chunk at a time)."""
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         input_ops = [op for op in self.graph.ops if op.kind == "input"]
         if len(tensors) != len(input_ops):
@@ -106,8 +114,16 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         if self.broken:
             raise ExecutorError(f"rank {self.rank}: this parallel module cannot run again after a failed "
                                 f"step ({self.broken}); call parallelize() again")
-        self.settle()
+        if self.defer_waits:  # a pipeline waits for its messages at the end of the step
+            self._sends = [(ws, ts) for ws, ts in self._sends if not all(w.is_completed() for w in ws)]
+        else:
+            self.settle()
         self.step += 1
+        return {"inputs": inputs, "tensors": tensors, "input_ops": input_ops, "vals": None}
+
+    def advance(self, state: dict, lo: int, hi: int, finish: bool):
+        """Run program positions ``lo`` to ``hi`` of the forward ``state`` (:meth:`start`);
+        with ``finish``, the outputs."""
         try:
             with contextlib.ExitStack() as stack:
                 if self.precision.mixed:  # every op as under torch.autocast in one process
@@ -115,35 +131,46 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 if self.recomputed and torch.is_grad_enabled():  # readers save recipes of their outputs
                     self._rc_begin_forward()
                     stack.enter_context(self._rc_hooks())
-                return self._run(inputs, tensors, input_ops)
+                if state["vals"] is None:
+                    self._begin(state)
+                self._post_forward_recvs()  # (a no-op where the receives are posted already)
+                self._steps(state, lo, hi)
+                return self._outputs(state) if finish else None
         except BaseException as e:
             self.broken = f"step {self.step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise
 
-    def _run(self, inputs, tensors, input_ops):
-        grad = torch.is_grad_enabled()
+    def _begin(self, state: dict) -> None:
+        grad = state["grad"] = torch.is_grad_enabled()
         self._riding = grad and self.ride is not None
         self._early = []  # (a backward takes the early rides of the forwards since the last one)
         self._post_forward_recvs()
-        token = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
+        state["token"] = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
         vals: dict[str, torch.Tensor] = {}
-        for op, x in zip(input_ops, tensors):
+        for op, x in zip(state["input_ops"], state["tensors"]):
             if tuple(x.shape) != tuple(op.output_shape):
                 raise ExecutorError(f"input {op.name!r} has shape {tuple(x.shape)} but the model was traced "
                                     f"(example_inputs) with {tuple(op.output_shape)}; the graph has fixed shapes")
             vals[op.name] = x if x.device == self.device else x.to(self.device)
+        state["vals"] = vals
         pvals: dict[str, torch.Tensor] = dict(self.params)
         pvals.update(self.buffers)
-        sharded = bool(self.units)
-        if sharded:  # the full regions the ops read, gathered from the slices (.shard)
+        state["sharded"] = bool(self.units)
+        if state["sharded"]:  # the full regions the ops read, gathered from the slices (.shard)
             pvals.update(self.full)
             self._gather_begin()
+        state["pvals"] = pvals
         if grad and self.sync.armed:  # a previous backward failed before its end
             self.sync.reset()
+
+    def _steps(self, state: dict, lo: int, hi: int) -> None:
+        vals, pvals, token, grad, sharded = state["vals"], state["pvals"], state["token"], state["grad"], \
+            state["sharded"]
         # under torch.profiler each partition's compute is a range named as the
         # simulator names its task ("<op> fwd"), so the two timelines line up
         profiling = torch.autograd.profiler._is_profiler_enabled
-        for pos, (step, free) in enumerate(zip(self.program, self.free_before)):
+        for pos in range(lo, hi):
+            step, free = self.program[pos], self.free_before[pos]
             if sharded:
                 if pos:
                     self._gather_after(pos - 1, vals.get(self.program[pos - 1].op.name), grad)
@@ -200,8 +227,12 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 vals[op.name] = _compute(op, step.part.block, ins, params)
             if op.name in self.sends_after:
                 self._post_sends(op.name, vals[op.name])
-        if sharded and self.program:
-            self._gather_after(len(self.program) - 1, vals.get(self.program[-1].op.name), grad)
+        state["token"] = token
+
+    def _outputs(self, state: dict):
+        vals, token = state["vals"], state["token"]
+        if state["sharded"] and self.program:
+            self._gather_after(len(self.program) - 1, vals.get(self.program[-1].op.name), state["grad"])
         results = {}
         for name in self.graph.output_names():
             if name in self.outputs:

@@ -50,7 +50,10 @@ def runtime_for(graph, strategy, module, ranks, **kw):
     micro = microbatch_graph(graph, pipe.microbatches)
     one = Strategy(micro, dict(strategy.items()), name=strategy.name)
     check_partition_shapes(micro, one)
-    runtime = Runtime(micro, one, module, ranks, **dict(kw, reduce_outputs="eager"))
+    segments = None
+    if pipe.interleave > 1:  # each chunk's gradient buckets its own
+        segments = {name: r // pipe.num_stages for name, r in pipe.stage_of().items()}
+    runtime = Runtime(micro, one, module, ranks, **dict(kw, reduce_outputs="eager", segments=segments))
     try:
         return runtime, PipelineDriver(runtime, pipe, graph)
     except BaseException:
@@ -80,10 +83,6 @@ class PipelineDriver:
     ``graph``) on ``runtime`` (built on one micro-batch's graph), as the module's doc says."""
 
     def __init__(self, runtime, pipeline, graph):
-        if pipeline.interleave > 1 or pipeline.schedule not in ("gpipe", "1f1b"):
-            raise ExecutorError(f"the executor runs the 'gpipe' and '1f1b' schedules; this plan's "
-                                f"'{pipeline.schedule}' with {pipeline.interleave} virtual stages a device "
-                                "group is simulated and planned but not run (use schedule='1f1b')")
         outs = graph.output_names()
         if len(outs) != 1 or graph.op(outs[0]).output_shape != () or not graph.op(outs[0]).dtype.is_floating_point:
             raise ExecutorError("a pipeline runs a model that returns its training loss (one floating-point "
@@ -97,9 +96,57 @@ class PipelineDriver:
         ranks = list(runtime.ranks)
         device = ranks.index(me) if me in ranks else None
         stage = next((s for s, devs in enumerate(pipeline.stages) if device in devs), None)
-        p, m = pipeline.num_stages, pipeline.microbatches
+        p, v, m = pipeline.num_stages, pipeline.interleave, pipeline.microbatches
         # a rank outside every stage still joins the outputs' all-reduces, in micro-batch order
-        self.order = schedule_order(pipeline.schedule, p, 1, m, stage if stage is not None else p - 1)
+        self.order = schedule_order(pipeline.schedule, p, v, m, stage if stage is not None else p - 1)
+        self.bounds = self._chunks(runtime, pipeline) if v > 1 else [(0, len(runtime.program))]
+        runtime.defer_waits = True  # sends are waited for at the end of the step: none blocks a schedule
+
+    @staticmethod
+    def _chunks(rt, pipeline) -> list[tuple[int, int]]:
+        """Per chunk (virtual stage) of this rank, its program positions ``(lo, hi)``; a
+        chunk's inputs must come from other ranks (an exchange), its backward then starts at
+        its last token."""
+        if any(rt.strategy[name].shard for name in rt.strategy):
+            raise ExecutorError("the interleaved schedule runs without shard levels (a sharded parameter is "
+                                "gathered once per forward of the whole program): use shard=0, or '1f1b'")
+        p, v = pipeline.num_stages, pipeline.interleave
+        stage_of = pipeline.stage_of()
+
+        def label(step):
+            # a partition of this rank: its op's chunk; an exchange this rank only sends in (the
+            # consumer is elsewhere): the chunk of the data it sends, so that the gradient it
+            # receives back arrives in that chunk's backward; else none (a step of no one here)
+            if step.part is not None and step.op.name in stage_of:
+                return stage_of[step.op.name] // p
+            for entry in step.inputs or ():
+                if entry is not None and entry[0] == "xchg" and entry[2].sends and entry[1] in stage_of:
+                    return stage_of[entry[1]] // p
+            return None
+        chunk = [label(step) for step in rt.program]
+        nxt = v - 1
+        for pos in reversed(range(len(chunk))):  # everywhere steps go with the next placed one
+            if chunk[pos] is None:
+                chunk[pos] = nxt
+            nxt = chunk[pos]
+        if any(a > b for a, b in zip(chunk, chunk[1:])):
+            raise ExecutorError(f"rank {rt.rank}: its program does not run its chunks in order")
+        made = {step.op.name: c for step, c in zip(rt.program, chunk)}
+        for step, c in zip(rt.program, chunk):
+            for entry in step.inputs or ():
+                if entry is not None and entry[0] != "xchg" and made.get(entry[1], c) < c \
+                        and rt.graph.op(entry[1]).dtype.is_floating_point and not rt.graph.op(entry[1]).everywhere:
+                    raise ExecutorError(f"rank {rt.rank}: {step.op.describe()} (chunk {c}) reads {entry[1]} of an "
+                                        "earlier chunk on the same rank: the interleaved schedule needs every "
+                                        "chunk's inputs to come from other ranks")
+        bounds, pos = [], 0
+        for c in range(v):
+            hi = pos
+            while hi < len(chunk) and chunk[hi] == c:
+                hi += 1
+            bounds.append((pos, hi))
+            pos = hi
+        return bounds
 
     def step(self, tensors: list, sync: bool):
         """One step on the global inputs ``tensors``: the loss, every rank."""
@@ -117,18 +164,40 @@ class PipelineDriver:
         micro = [[p[b] for p in parts] for b in range(m)]
         rt = self.rt
         if not torch.is_grad_enabled():
-            return self._combine([rt.run(micro[b]) for b in range(m)])
+            out = self._combine([rt.run(micro[b]) for b in range(m)])
+            rt.settle()
+            return out
         outs: dict[int, torch.Tensor] = {}
         losses: list = [None] * m
         scale = 1.0 / m if self.mean else 1.0
-        for kind, _, b in self.order:
+        last = len(self.bounds) - 1
+        states: dict[int, dict] = {}
+        ends: dict[tuple, torch.Tensor] = {}  # (chunk, micro-batch) -> the token at the chunk's end
+        for kind, c, b in self.order:
             if kind == "F":
-                outs[b] = rt.run(micro[b])
+                st = states.get(b)
+                if st is None:
+                    st = states[b] = rt.start(micro[b])
+                lo, hi = self.bounds[c]
+                out = rt.advance(st, lo, hi, finish=c == last)
+                if c < last:  # the next chunk's autograd starts afresh: its backward stops here
+                    ends[(c, b)] = st["token"]
+                    if st["token"] is not None and st["grad"]:
+                        st["token"] = torch.zeros((), device=rt.device, requires_grad=True)
+                else:
+                    outs[b] = out
+                    del states[b]
             else:
-                rt.sync.skip = not (sync and b == m - 1)
-                out = outs.pop(b)
-                losses[b] = out.detach()
-                torch.autograd.backward(out, torch.full_like(out, scale))
+                rt.sync.skip = not (sync and b == m - 1)  # every chunk's last backward syncs its own
+                if c == last:
+                    out = outs.pop(b)
+                    losses[b] = out.detach()
+                    torch.autograd.backward(out, torch.full_like(out, scale))
+                else:
+                    tok = ends.pop((c, b))
+                    if tok is not None and tok.requires_grad:
+                        torch.autograd.backward(tok, torch.zeros_like(tok))
+        rt.settle()  # the step's sends, waited for now that every rank has posted its receives
         anchor = torch.zeros((), device=rt.device, requires_grad=True)
         return _StepDone.apply(anchor, self._combine(losses))
 

@@ -211,8 +211,12 @@ class Plan:
 
     def __init__(self, graph: OpGraph, strategy: Strategy, module: torch.nn.Module, ranks,
                  *, rank: int = 0, world: int = 1, device=None, bucket_cap_mb: float = BUCKET_CAP_MB,
-                 reduce_outputs: str = "with_gradients", precision: str = "32-true"):
+                 reduce_outputs: str = "with_gradients", precision: str = "32-true",
+                 segments: dict | None = None):
         self.graph, self.strategy, self.module = graph, strategy, module
+        # op name -> the pipeline chunk it runs in (interleaving): no gradient bucket spans two,
+        # so each chunk's backward completes its own buckets
+        self.segments = dict(segments or {})
         if precision not in RUN_PRECISIONS:
             raise ExecutorError(_precision_error(precision))
         self.precision = PRECISIONS[precision]
@@ -452,18 +456,20 @@ class Plan:
         done = []
         for q in ready:
             p = self.params[q]
-            k = (self.shards[q][2], p.dtype, self.shard_level.get(q, 0) >= 2)  # reduce-scattered apart
+            seg = self.segments.get(self.graph.ops[first_use[q]].name, 0)
+            k = (self.shards[q][2], p.dtype, self.shard_level.get(q, 0) >= 2, seg)  # reduce-scattered apart
             b = open_.setdefault(k, [[], 0])
             b[0].append(q)
             b[1] += p.numel() * p.element_size()
             if b[1] >= self.bucket_cap_bytes:
                 done.append((k, open_.pop(k)[0]))
-        done += [(k, v[0]) for k, v in sorted(open_.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2]))]
+        done += [(k, v[0]) for k, v in sorted(open_.items(),
+                                              key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], kv[0][3]))]
         for quals in self.unit_quals:  # levels 2-3: a gather unit is reduce-scattered as one bucket
             if self.shard_level[quals[0]] >= 2:
-                done.append(((self.shards[quals[0]][2], self.params[quals[0]].dtype, True), list(quals)))
+                done.append(((self.shards[quals[0]][2], self.params[quals[0]].dtype, True, 0), list(quals)))
         gates: dict[int, list] = {}
-        for (key, _, _), quals in done:
+        for (key, _, _, _), quals in done:
             gates.setdefault(min(first_use[q] for q in quals), []).append((key, quals))
         return gates
 
