@@ -242,7 +242,8 @@ class Strategy(Mapping):
 
     @classmethod
     def megatron(cls, graph: OpGraph, machine, tp: int | None = None, shard: int = 0, *, pp: int = 1,
-                 microbatches: int = 1, schedule: str = "1f1b", interleave: int = 1) -> "Strategy":
+                 microbatches: int = 1, schedule: str = "1f1b", interleave: int = 1, cp: int = 1,
+                 sequence_parallel: bool = True) -> "Strategy":
         """Megatron-style tensor parallelism of degree ``tp`` (default: the devices of one
         node) inside groups of ``tp`` consecutive devices, data parallelism across the
         groups; ``shard`` (0-3) shards every replicated parameter among its replicas
@@ -254,7 +255,19 @@ class Strategy(Mapping):
         repeated blocks are cut into ``pp * interleave`` contiguous chunks balanced by
         FLOPs (what comes before the first block with the first chunk, what comes after
         the last with the last), chunk c on stage ``c % pp``; the step's batch is cut into
-        ``microbatches`` run under ``schedule``.  Each op's degrees split one micro-batch."""
+        ``microbatches`` run under ``schedule``.  Each op's degrees split one micro-batch.
+
+        The ops between a tensor-parallel pair's layers split along the tokens already
+        (Megatron's sequence parallelism, ``sequence_parallel=True``); keeping them whole in
+        the group (``False``) and context parallelism (``cp > 1``) are not offered yet: a
+        :class:`StrategyError` says so."""
+        if cp != 1:
+            raise StrategyError(f"cp={cp!r}: context parallelism (attention split along the sequence) is not in "
+                                "the space yet; use tp, pp and the data-parallel degree")
+        if sequence_parallel is not True:
+            raise StrategyError("sequence_parallel=False: megatron splits the ops between a tensor-parallel "
+                                "pair's layers along the tokens (sequence parallelism); keeping them whole in the "
+                                "group is not offered")
         D = machine.num_devices
         if pp != 1 or microbatches != 1 or interleave != 1:
             return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave)
