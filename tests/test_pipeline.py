@@ -223,3 +223,20 @@ def test_pipeline_moves_change_micro_batches_schedule_and_stage_boundaries():
     sim = ff.Simulator(g, mach)
     for n in near:
         assert sim.simulate(n).iteration_time > 0
+
+
+def test_delta_simulation_of_pipelines_equals_a_fresh_one():
+    from flexflow.search.pipemoves import neighbours
+    module, inputs = get("llama", batch_size=16, size="small")
+    g = ff.trace(module, inputs)
+    mach = _machine(16)
+    s = ff.Strategy.megatron(g, mach, tp=4, pp=2, microbatches=4)
+    sim = ff.Simulator(g, mach, optimizer="adam")
+    sim.simulate(s)
+    names = [op.name for op in g.compute_ops]
+    moved = [s.replace(names[3], ParallelConfig({"n": 2}, s.pipeline.stages[0][:2]))] + neighbours(s)
+    for t in moved:
+        inc = sim.simulate(t)  # delta from the previous one
+        fresh = ff.Simulator(g, mach, optimizer="adam").simulate(t, incremental=False)
+        assert inc.iteration_time == fresh.iteration_time and inc.peak_memory == fresh.peak_memory
+        assert inc.bubble == fresh.bubble
