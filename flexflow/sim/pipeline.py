@@ -37,7 +37,7 @@ import numpy as np
 
 from ..strategy.pipeline import schedule_order
 from .memory import out_of_memory
-from .schedcore import ALIVE, DUR, FIN, PRIO, RES1
+from .schedcore import ALIVE, DUR, FIN, LAG, PRIO, RES1
 from .taskkeys import _AB, _JB, _PB, PS, UPD, XB, XF, B, F
 
 __all__ = ["StageTimes", "compose", "replicas", "simulate_pipelined", "stage_times"]
@@ -73,7 +73,8 @@ def stage_times(arrays, free, run_of_op: np.ndarray, prod_run: np.ndarray, group
     n = arrays.n
     H, C = arrays.H, arrays.C
     alive = C[:n, ALIVE] != 0
-    fin, prio = H[:n, FIN][alive], H[:n, PRIO][alive]
+    fin, prio, dur = H[:n, FIN][alive], H[:n, PRIO][alive], H[:n, DUR][alive]
+    lag = C[:n, LAG][alive] if arrays.xfer_lag else np.zeros(len(fin), np.int64)
     head = prio >> (2 * _PB + _JB)
     kind, a = head & 7, head >> 3
     jj = (prio >> (2 * _PB)) & ((1 << _JB) - 1)
@@ -87,20 +88,24 @@ def stage_times(arrays, free, run_of_op: np.ndarray, prod_run: np.ndarray, group
         np.maximum.at(hi, runs[keep], fin[sel][keep])
         return hi
 
-    def arrivals(k: int, op: np.ndarray, back: bool) -> np.ndarray:
-        # the last message between neighbouring runs, per receiving run
+    def arrivals(k: int, op: np.ndarray, back: bool) -> tuple[np.ndarray, np.ndarray]:
+        # per receiving run, the last message from its neighbour: when it arrived, and how
+        # long the longest took (its transfer and the latency after it, no queueing: in the
+        # step, a group's optimizer step does not sit between its micro-batches' messages)
         sel = kind == k
-        ops, js, f = op[sel], jj[sel], fin[sel]
+        ops, js, f, took = op[sel], jj[sel], fin[sel], dur[sel] + lag[sel]
         cons = run_of_op[ops]
         prod = prod_run[ops, np.minimum(js, prod_run.shape[1] - 1)]
         cross = (cons >= 0) & (prod >= 0) & (cons != prod)
-        hi = np.zeros(R, np.int64)
-        np.maximum.at(hi, prod[cross] if back else cons[cross], f[cross])
-        return hi
+        at, hi = np.zeros(R, np.int64), np.zeros(R, np.int64)
+        to = prod[cross] if back else cons[cross]
+        np.maximum.at(at, to, f[cross])
+        np.maximum.at(hi, to, took[cross])
+        return at, hi
     fe = ends(F, a)
     be = ends(B, _AMAX - a)
-    af = arrivals(XF, a, back=False)
-    ab = arrivals(XB, _AMAX - a, back=True)
+    af, tf = arrivals(XF, a, back=False)
+    ab, tb = arrivals(XB, _AMAX - a, back=True)
     for r in range(1, R):  # a run with no tasks of its own (free views) ends where it starts
         fe[r] = max(fe[r], fe[r - 1])
     for r in reversed(range(R - 1)):
@@ -110,15 +115,14 @@ def stage_times(arrays, free, run_of_op: np.ndarray, prod_run: np.ndarray, group
     start_b = np.concatenate([np.maximum(be[1:], ab[:-1]), [fe[-1]]])
     Fr = np.maximum(0, fe - start_f)
     Br = np.maximum(0, be - start_b)
-    xf = np.maximum(0, start_f[1:] - fe[:-1])
-    xb = np.maximum(0, start_b[:-1] - be[1:])
+    xf, xb = tf[1:], tb[:-1]
     end = int(free.max()) if len(free) else 0
     # per group, after its last backward: its optimizer step (the update tasks of its busiest
     # device; the caller adds the deferred gradient sync)
     sel = kind == UPD
-    res, dur = H[:n, RES1][alive][sel], H[:n, DUR][alive][sel]
+    res, took = H[:n, RES1][alive][sel], dur[sel]
     ok = res >= 0
-    upd = np.bincount(res[ok], weights=dur[ok], minlength=len(free))
+    upd = np.bincount(res[ok], weights=took[ok], minlength=len(free))
     tail = [int(upd[list(devices[g])].max()) for g in range(len(groups))]
     return StageTimes(Fr, Br, xf, xb, 0, 0, tail, end)
 
