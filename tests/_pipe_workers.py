@@ -70,7 +70,8 @@ def _train(model, batches, opt, accumulate: bool, clip: float | None):
     return losses
 
 
-def case(name: str, batch: int, kw: dict, *, recompute=False, accumulate=False, clip=None) -> dict:
+def case(name: str, batch: int, kw: dict, *, recompute=False, accumulate=False, clip=None,
+         precision: str = "32-true") -> dict:
     world = torch.distributed.get_world_size()
     module, batches = _model(name, batch)
     ref = copy.deepcopy(module)
@@ -80,13 +81,14 @@ def case(name: str, batch: int, kw: dict, *, recompute=False, accumulate=False, 
     if recompute:
         s = s.recompute_blocks()
     example = graph and (batches[0] if not accumulate else tuple(x.chunk(2)[0] for x in batches[0]))
-    pm = ff.parallelize(module, example_inputs=example, strategy=s, machine=machine)
+    pm = ff.parallelize(module, example_inputs=example, strategy=s, machine=machine, precision=precision)
     try:
         got = _train(pm, batches, torch.optim.SGD(pm.parameters(), lr=LR), accumulate, clip)
         state = pm.state_dict()
     finally:
         pm.runtime.close()
-    want = _train(ref, batches, torch.optim.SGD(ref.parameters(), lr=LR), accumulate, clip)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        want = _train(ref, batches, torch.optim.SGD(ref.parameters(), lr=LR), accumulate, clip)
     params = max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items())
     moved = max(float((v - module.state_dict()[k]).abs().max()) for k, v in ref.state_dict().items())
     return {"loss": max(abs(a - b) for a, b in zip(got, want)), "params": params, "moved": moved,

@@ -11,13 +11,17 @@ from flexflow.launch import launch
 import _pipe_workers as W
 
 TOL = 1e-5
+# (loss, parameters) under bf16-mixed: the loss to bfloat16's rounding (2^-8 of ~1.3); the
+# parameters after 3 steps move by 1e-2, so a gradient off by a factor shows above 2e-3
+BF16_TOL = (1e-2, 2e-3)
 TWO = [("1f1b", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 4}, {}),
        ("gpipe", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 4, "schedule": "gpipe"}, {}),
        ("rc", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2}, {"recompute": True}),
        ("accum", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2}, {"accumulate": True, "clip": 0.05}),
        ("llama", "llama", 8, {"tp": 1, "pp": 2, "microbatches": 4}, {}),
        ("interleaved", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2}, {}),
-       ("looped", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2, "schedule": "gpipe"}, {})]
+       ("looped", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2, "schedule": "gpipe"}, {}),
+       ("bf16", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "interleave": 2}, {"precision": "bf16-mixed"})]
 FOUR = [("pp4", "mlp", 16, {"tp": 1, "pp": 4, "microbatches": 8}, {}),
         ("dp2pp2", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 4}, {}),
         ("z1", "mlp", 16, {"tp": 1, "pp": 2, "microbatches": 2, "shard": 1}, {}),
@@ -33,11 +37,13 @@ def _check(ranks, cases):
     for tag, *_, extra in cases:
         if extra.get("refused"):
             continue
+        # bfloat16 compute: micro-batches change the sums' rounding (one process under autocast)
+        loss_tol, param_tol = BF16_TOL if extra.get("precision") == "bf16-mixed" else (TOL, TOL)
         for rank, out in enumerate(ranks):
             rec = out[tag]
             assert rec["moved"] > 1e-3, tag  # training changed the parameters
-            assert rec["loss"] <= TOL, (tag, rank, rec)
-            assert rec["params"] <= TOL, (tag, rank, rec)
+            assert rec["loss"] <= loss_tol, (tag, rank, rec)
+            assert rec["params"] <= param_tol, (tag, rank, rec)
 
 
 @pytest.mark.slow
