@@ -214,7 +214,10 @@ def test_pipeline_moves_change_micro_batches_schedule_and_stage_boundaries():
     s = ff.Strategy.megatron(g, mach, tp=1, pp=2, microbatches=4)
     near = neighbours(s)
     specs = {(n.pipeline.microbatches, n.pipeline.schedule) for n in near}
-    assert {(8, "1f1b"), (2, "1f1b"), (4, "gpipe")} <= specs
+    assert {(8, "1f1b"), (2, "1f1b"), (4, "gpipe"), (4, "interleaved-1f1b")} <= specs
+    inter = next(n for n in near if n.pipeline.schedule == "interleaved-1f1b")
+    assert inter.pipeline.interleave == 2 and [r[0] for r in inter.pipeline.runs] == [0, 1, 0, 1]
+    assert any(n.pipeline.interleave == 1 for n in neighbours(inter))  # and back
     sizes = sorted(len(n.pipeline.runs[0][1]) for n in near if n.pipeline.microbatches == 4
                    and n.pipeline.schedule == "1f1b")
     first = len(s.pipeline.runs[0][1])

@@ -1,7 +1,9 @@
 """Moves of a pipeline, and the descent that takes them: the search's pipeline dimension.
 
 A pipelined strategy's neighbours (:func:`neighbours`): twice or half the micro-batches,
-the other schedule (GPipe / 1F1B), and each stage boundary moved by one repeated block
+the other schedule (GPipe / 1F1B), interleaving on or off (the blocks cut again into two
+chunks a device group, or one, balanced by FLOPs), and each stage boundary moved by one
+repeated block
 (the last block of a run handed to the next run, or the first block of a run to the one
 before), its ops' partitions taken to the same places on the other stage's devices.  The
 search (:func:`descend_pipeline`) starts from the fastest pipelined plan it has and takes
@@ -44,6 +46,10 @@ def neighbours(strategy) -> list:
                 out.append(strategy.with_pipeline(mb, sc))
             except StrategyError:
                 pass
+    for v in ((2,) if pipe.interleave == 1 else (1,)):
+        other = _rechunked(strategy, v)
+        if other is not None:
+            out.append(other)
     graph, stages, runs = strategy.graph, pipe.stages, pipe.runs
     for r in range(len(runs) - 1):
         (g, a), (h, b) = runs[r], runs[r + 1]
@@ -67,6 +73,35 @@ def neighbours(strategy) -> list:
             except StrategyError:  # a shared parameter across the boundary, a cycle
                 pass
     return out
+
+
+def _rechunked(strategy, v: int):
+    """The strategy with its blocks cut again into ``v`` chunks a device group (chunk c on
+    group c mod p, :func:`flexflow.strategy.pipeline.chunk_of_ops`), each op's partitions
+    taken to the same places on its new group's devices; None where that is no pipeline."""
+    from ..strategy.pipeline import chunk_of_ops
+    pipe = strategy.pipeline
+    p, stages = pipe.num_stages, pipe.stages
+    if len({len(s) for s in stages}) != 1 or (v > 1 and pipe.microbatches % p):
+        return None
+    try:
+        chunk = chunk_of_ops(strategy.graph, p * v)
+    except StrategyError:
+        return None
+    run_of = pipe.stage_of()
+    changes = {}
+    for name, c in strategy.items():
+        here, there = pipe.runs[run_of[name]][0], chunk[name] % p
+        if here != there:
+            where = dict(zip(stages[here], stages[there]))
+            if any(x not in where for x in c.devices):
+                return None
+            changes[name] = ParallelConfig(c.degrees, [where[x] for x in c.devices], c.shard, c.recompute)
+    schedule = "interleaved-1f1b" if v > 1 else ("1f1b" if pipe.schedule == "interleaved-1f1b" else pipe.schedule)
+    try:
+        return strategy.without_pipeline().replaced(changes).with_pipeline(pipe.microbatches, schedule)
+    except StrategyError:
+        return None
 
 
 def descend_pipeline(run, sim, start, start_res, share: float) -> None:
