@@ -41,7 +41,6 @@ from flexflow.cost.model import CostModel  # noqa: E402
 from flexflow.models._common import make_inputs  # noqa: E402
 from flexflow.models.llama import Llama, LlamaConfig  # noqa: E402
 
-LR = 1e-3
 MICRO = 8
 DECODER = dict(sharded.CONFIG, layers=8)
 DECODER_BATCH = 16
@@ -135,31 +134,21 @@ def _tracker():
     return Tracker()
 
 
-class Trainer:
-    """AdamW steps of ``run()`` (one optimizer step each); ``peak()``: MemTracker, one step."""
+class Trainer(sharded.Trainer):
+    """``sharded.Trainer`` whose step is ``run()`` (a schedule's step, backward included) and
+    whose MemTracker takes a module called once per micro-batch (:func:`_tracker`)."""
 
     def __init__(self, model, run):
-        self.model, self.run = model, run
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        super().__init__(model, ())
+        self.run = run
 
     def step(self):
         self.opt.zero_grad()
         self.run()
         self.opt.step()
 
-    def steps(self, n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            self.step()
-        return (time.perf_counter() - t0) / n
-
-    def peak(self) -> int:
-        self.step()
-        mt = _tracker()
-        mt.track_external(self.model, self.opt)
-        with mt:
-            self.step()
-        return int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    def _tracker(self):
+        return _tracker()
 
 
 def _worker(rank: int, name: str, steps: int, rounds: int):

@@ -87,10 +87,13 @@ class Trainer:
             self.step()
         return (time.perf_counter() - t0) / n
 
-    def peak(self) -> int:
+    def _tracker(self):
         from torch.distributed._tools.mem_tracker import MemTracker
+        return MemTracker()
+
+    def peak(self) -> int:
         self.step()
-        mt = MemTracker()
+        mt = self._tracker()
         mt.track_external(self.model, self.opt)
         with mt:
             self.step()

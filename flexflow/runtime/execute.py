@@ -132,8 +132,9 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                     self._rc_begin_forward()
                     stack.enter_context(self._rc_hooks())
                 if state["vals"] is None:
-                    self._begin(state)
-                self._post_forward_recvs()  # (a no-op where the receives are posted already)
+                    self._begin(state)  # (posts the forward's receives)
+                else:  # a later chunk: the receives its exchanges popped since
+                    self._post_forward_recvs()
                 self._steps(state, lo, hi)
                 return self._outputs(state) if finish else None
         except BaseException as e:

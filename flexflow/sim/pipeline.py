@@ -218,11 +218,15 @@ def simulate_pipelined(sim, strategy, cross=None):
     micro = Strategy(sub.graph, dict(strategy.items()), name=strategy.name)
     one = sub.simulate(micro)
     ctx = sub.ctx
-    stage = pipe.stage_of()
-    run_of_op = np.array([stage.get(op.name, -1) for op in ctx.ops], np.int64)
+    layouts = sub.__dict__.setdefault("_run_maps", {})  # per pipeline layout: op -> run, producers' runs
+    maps = layouts.get(pipe.runs)
+    if maps is None:
+        stage = pipe.stage_of()
+        maps = layouts[pipe.runs] = (np.array([stage.get(op.name, -1) for op in ctx.ops], np.int64),
+                                     _producer_runs(ctx, stage))
+    run_of_op, prod_run = maps
     groups = [[c * p + s for c in range(v)] for s in range(p)]
-    t = stage_times(sub._sched.arrays, sub._sched.free, run_of_op, _producer_runs(ctx, stage), groups,
-                    pipe.stages)
+    t = stage_times(sub._sched.arrays, sub._sched.free, run_of_op, prod_run, groups, pipe.stages)
     if sub.sync == "deferred":  # each group's gradient sync follows its last backward
         tg = sub._tg
         owner = {d: g for g, devs in enumerate(pipe.stages) for d in devs}
@@ -276,22 +280,20 @@ def _activations(sub, pipe, run_of_op: np.ndarray) -> np.ndarray:
     by every micro-batch) are not counted."""
     tg = sub._tg
     R, D = len(pipe.runs), tg.MEMDIFF.shape[1]
-    lo = np.full(R, -1, np.int64)
-    hi = np.full(R, -2, np.int64)
-    for r in range(R):
-        idx = np.nonzero(run_of_op == r)[0]
-        if len(idx):
-            lo[r], hi[r] = idx.min(), idx.max()
+    placed = np.nonzero(run_of_op >= 0)[0]
+    # runs are contiguous stretches of op positions, in run order: a position's run by bisection
+    first = np.array([placed[run_of_op[placed] == r].min() for r in range(R)], np.int64)
+    last = np.array([placed[run_of_op[placed] == r].max() for r in range(R)], np.int64)
     act = np.zeros((R, D), np.int64)
-    for o in np.nonzero(run_of_op >= 0)[0]:
+    for o in placed:
         ev = tg.MEV[o]
         if ev is None or not len(ev[0]):
             continue
         pos, rows = ev
-        for r in range(R):
-            sel = (pos >= lo[r]) & (pos <= hi[r])
-            if sel.any():
-                act[r] += rows[sel].sum(axis=0)
+        r = np.searchsorted(first, pos, side="right") - 1
+        ok = (r >= 0) & (pos <= last[np.maximum(r, 0)])
+        if ok.any():
+            np.add.at(act, r[ok], rows[ok])
     for r in range(R):
         keep = np.zeros(D, bool)
         keep[list(pipe.stages[pipe.runs[r][0]])] = True

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..graph.ir import OpGraph
-from .config import StrategyError, format_devices
+from ..graph.ir import OpGraph, repeated_block
+from ..graph.ops import RULES
+from .config import ParallelConfig, StrategyError, format_devices
+from .regions import partitions
 
 __all__ = ["SCHEDULES", "Pipeline", "chunk_of_ops", "pipeline_layout", "schedule_order", "stage_configs"]
 
@@ -176,10 +178,6 @@ def chunk_of_ops(graph: OpGraph, chunks: int) -> dict[str, int]:
     first chunk and those after the last with the last; a graph without repeated blocks is
     cut along its ops' FLOPs in graph order.  Ops sharing parameters must fall in one
     chunk (a :class:`StrategyError` names them otherwise)."""
-    from ..graph.ir import repeated_block
-    from .config import ParallelConfig
-    from .regions import partitions
-    from ..graph.ops import RULES
     whole = ParallelConfig({}, (0,))
     ops = graph.compute_ops
 
@@ -259,7 +257,6 @@ def stage_configs(graph: OpGraph, flat: dict, pp: int, interleave: int, per_stag
     tensor-parallel group t of replica d) placed on the stages of a pipeline: chunk c of
     :func:`chunk_of_ops` on stage ``c % pp``, local device ``t + tp * d`` becoming
     ``t + tp * (s + pp * d)``."""
-    from .config import ParallelConfig
     chunk = chunk_of_ops(graph, pp * interleave)
     out = {}
     for name, cfg in flat.items():
