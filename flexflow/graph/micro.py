@@ -62,13 +62,21 @@ def microbatch_graph(graph: OpGraph, microbatches: int) -> OpGraph:
         raise ValueError(f"the model traced on a micro-batch of {B // microbatches} has other ops than "
                          f"on its batch of {B} (first differences: {diff}): a pipeline needs a model whose "
                          "ops do not depend on the batch size")
-    # the full graph's dims, the batch's cut: a micro-batch of one sample would otherwise be
-    # read as no batch at all (its axis of size 1 is not a dim), and the strategies of the full
-    # graph would name dims its ops do not have
+    # an op whose dims the micro-batch's trace names otherwise (one sample is read as no batch
+    # at all: its axis of size 1 is not a dim) keeps the full graph's, so that the full graph's
+    # strategies fit it: a sample dim then spans the micro-batch's own extent along its axis (a
+    # batch reshaped into a fixed number of groups keeps them), a reduction dim a micro-batch
     for op in micro.ops:
-        full = graph.op(op.name)
-        op.dims = [dataclasses.replace(d, size=d.size // microbatches) if d.kind == "sample" else d
-                   for d in full.dims]
+        full, shape = graph.op(op.name), op.output_shape
+        if [(d.name, d.kind, d.axis) for d in op.dims] == [(d.name, d.kind, d.axis) for d in full.dims]:
+            continue
+        dims = []
+        for d in full.dims:
+            if d.kind == "sample":
+                size = shape[d.axis] if d.axis is not None and d.axis < len(shape) else d.size // microbatches
+                d = dataclasses.replace(d, size=size, unit=d.unit if size % d.unit == 0 else 1)
+            dims.append(d)
+        op.dims = dims
     micro.batch_size = B // microbatches
     micro.whole_reasons = dict(graph.whole_reasons)
     cache[microbatches] = micro

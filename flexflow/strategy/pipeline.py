@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..graph.ir import OpGraph, repeated_block
+from ..graph.micro import microbatch_graph
 from ..graph.ops import RULES
 from .config import ParallelConfig, StrategyError, format_devices
-from .regions import partitions
+from .regions import partitions, validate_config
 
 __all__ = ["SCHEDULES", "Pipeline", "chunk_of_ops", "pipeline_layout", "schedule_order", "stage_configs"]
 
@@ -135,9 +136,20 @@ def pipeline_layout(graph: OpGraph, configs, microbatches: int, schedule: str) -
         if m % p:
             raise StrategyError(f"schedule 'interleaved-1f1b' needs the micro-batches ({m}) to be a "
                                 f"multiple of the {p} stages")
+    try:  # each op's degrees split one micro-batch: checked on the graph a micro-batch makes
+        micro = microbatch_graph(graph, m)
+    except ValueError:  # (a graph without its module: its batch dims cut by m)
+        micro = None
     for op in ops:
+        cfg = configs[op.name]
+        if micro is not None:
+            try:
+                validate_config(micro.op(op.name), cfg)
+            except StrategyError as e:
+                raise StrategyError(f"{e}: the config does not fit one micro-batch of the {m}") from None
+            continue
         d = op.sample_dim
-        deg = configs[op.name].degree(d.name) if d is not None else 1
+        deg = cfg.degree(d.name) if d is not None else 1
         if d is not None and deg * m > d.blocks:
             raise StrategyError(f"{op.describe()}: its sample dim split {deg} ways does not fit one "
                                 f"micro-batch of {d.blocks // m} ({m} micro-batches of {d.blocks})")
