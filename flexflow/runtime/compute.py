@@ -37,7 +37,8 @@ def compile_step(plan: Plan, step: _Step):
     gate parameters or run everywhere."""
     op = step.op
     if step.everywhere or step.part is None or step.gate is not None or plan.strategy[op.name].recompute or \
-            any(e is not None and e[0] == "xchg" for e in step.inputs):
+            any(e is not None and e[0] in ("xchg", "shared") for e in step.inputs) or \
+            any((op.name, i) in plan.cast_share for i in range(len(step.inputs))):
         return None
     stacked_in = {s for s in op.inputs if plan.graph.op(s).attrs.get("stacked")
                   and hasattr(RULES[plan.graph.op(s).rule], "compute_parts")}

@@ -204,14 +204,19 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 mode, src, data = entry
                 if mode == "xchg":
                     token, x = _ExchangeFn.apply(self, data, token, _tensor(vals, src))
-                    ins.append(x)
+                    if ("recv", (op.name, len(ins))) in self.share_uses:  # other readers share it
+                        x = self._take(state, "recv", (op.name, len(ins)), lambda: x)
+                    ins.append(x if not self.cast_share else self.shared_input(state, op.name, len(ins), x))
+                elif mode == "shared":  # what another reader received
+                    x = self._take(state, "recv", data, None)
+                    ins.append(x if not self.cast_share else self.shared_input(state, op.name, len(ins), x))
                 else:
                     x = vals[src]
                     if data is not None:
                         x = x[data]
                     if isinstance(x, _Stacked) and op.rule != "index":
                         x = x.stack()
-                    ins.append(x)
+                    ins.append(x if not self.cast_share else self.shared_input(state, op.name, len(ins), x))
             if step.gate is not None and grad:
                 quals = step.gate.quals
                 token, *gated = _GateFn.apply(self, step.gate, token, *[pvals[q] for q in quals])

@@ -59,6 +59,7 @@ from ..strategy.regions import (
 )
 from ..strategy.strategy import Strategy
 from .shardplan import Slice, group_units, plan_units, shard_levels, slice_of
+from .shared import SharedInputs
 
 __all__ = ["Plan", "Piece", "Exchange", "ExecutorError", "tensor_of", "BUCKET_CAP_MB", "REDUCE_OUTPUTS"]
 
@@ -203,7 +204,7 @@ def _wire_dtype(dtype):
 
 
 # --------------------------------------------------------------------------- the plan
-class Plan:
+class Plan(SharedInputs):
     """One rank's program for (graph, strategy): its parameter shards (copied from
     ``module`` to ``device``), its steps, exchanges, gradient buckets and outputs.
     ``ranks[k]`` is the global rank of the strategy's device k; this rank is
@@ -236,6 +237,7 @@ class Plan:
         self.placement = param_placement(graph, strategy)
         self._make_shards()
         self._plan_shard_levels()
+        self._plan_shared()
         self._make_program()
         self._make_flat()
 
@@ -365,6 +367,8 @@ class Plan:
         self.num_exchanges = 0
         self.last_exchange_op = -1  # forward position of the last op that takes an input from another rank
         self.comm_bytes = 0  # activation bytes moved per forward, all ranks together
+        self._crossed: set = set()  # (op, input) whose read crosses ranks somewhere
+        entries: dict = {}  # (op, input) -> its input entry
         for op in g.ops:
             if op.everywhere:
                 self.program.append(_Step(op, partitions(op, whole_config(op))[0], everywhere=True))
@@ -374,7 +378,13 @@ class Plan:
             parts = self._parts(op)
             step = _Step(op, self._mine(parts))
             for i, src in enumerate(op.inputs):
-                step.inputs.append(self._plan_input(op, parts, step.part, i, src, src in needs_grad))
+                e = self._shared_entry((op.name, i), entries) if (op.name, i) in self.share_src else None
+                if e is None:
+                    e = self._plan_input(op, parts, step.part, i, src, src in needs_grad)
+                else:  # (another reader's read: its received tensor, or the same local slice)
+                    e = None if e[0] == "none" else e[1] if e[0] == "same" else e
+                entries[(op.name, i)] = e
+                step.inputs.append(e)
             buckets = gates.get(g.index[op.name])
             if buckets:
                 step.gate = _Gate(op.name, buckets, [q for _, qs in buckets for q in qs])
@@ -500,6 +510,7 @@ class Plan:
         remote = [p for p in pieces if p.src != p.dst]
         index = None
         if remote:
+            self._crossed.add((op.name, i))
             index = self.num_exchanges
             self.num_exchanges += 1
             self.last_exchange_op = self.graph.index[op.name]

@@ -75,6 +75,7 @@ from ..graph.ops.base import region_numel
 from ..strategy.regions import partitions
 from .rcmem import RecomputeEvents
 from .saves import _saves
+from .sharedmem import SharedReads
 from .unitmem import UnitEvents
 
 __all__ = ["OPTIMIZERS", "UPDATE_TRAFFIC", "optimizer_state_copies", "Liveness"]
@@ -116,7 +117,7 @@ def _flattens(shape: tuple, strides: tuple) -> bool:
     return all(s0 == x1 * s1 for (_, s0), (x1, s1) in itertools.pairwise(dims))
 
 
-class Liveness(UnitEvents, RecomputeEvents):
+class Liveness(UnitEvents, RecomputeEvents, SharedReads):
     """Static liveness structure of a graph and the memory events of ops and clusters.
 
     ``op_events(o, cfg)`` -> (positions, rows): +row at each allocation, -row one position
@@ -157,8 +158,10 @@ class Liveness(UnitEvents, RecomputeEvents):
             if self.view[o]:
                 u = ctx.inputs[o][0]
                 self._owner[o] = self._owner[u] if u < o else u
+        self._shared_setup(ctx)
         self.dependents = [{v} for v in range(n)]
         for o in ctx.compute:
+            self.dependents[o].update(self.sibs[o])  # (shared reads: sibling readers' events)
             for u in ctx.producers[o]:
                 self.dependents[u].add(o)
             for v, _ in self.uses[o]:
@@ -284,7 +287,8 @@ class Liveness(UnitEvents, RecomputeEvents):
     def op_events(self, o: int, cfg: list):
         """Memory events of op o; ``cfg``: op index -> config."""
         ctx = self.ctx
-        key = (o, cfg[o]) + tuple(cfg[u] for u in ctx.producers[o]) + tuple(cfg[v] for v in self.use_ops[o])
+        key = (o, cfg[o]) + tuple(cfg[u] for u in ctx.producers[o]) + tuple(cfg[v] for v in self.use_ops[o]) \
+            + tuple(cfg[v] for v in self.sibs[o])
         ev = self._ev.get(key)
         if ev is not None:
             return ev
@@ -368,7 +372,11 @@ class Liveness(UnitEvents, RecomputeEvents):
                 w = self._owner[u]
                 if w >= 0 and self.copies(o, j, w):
                     saved = rg[o] and (sv.inputs == "all" or j in sv.inputs)
-                    if saved and rc:  # the checkpoint keeps the input, not the copy: made again
+                    end = self.shared_cast(o, j, cfg, self._saves_input) if self.readers[u] else None
+                    if end is not None:  # one copy for the readers casting it alike
+                        if end >= 0:
+                            live(F, end, self.cast_bytes(o, cfg[o], j))
+                    elif saved and rc:  # the checkpoint keeps the input, not the copy: made again
                         live(F, F, self.cast_bytes(o, cfg[o], j))
                         live(B, B, self.cast_bytes(o, cfg[o], j))
                     else:
@@ -380,14 +388,39 @@ class Liveness(UnitEvents, RecomputeEvents):
             recv = ctx.edge_plan(u, o, j, cfg[u], cfg[o]).recv
             if not recv.any():
                 continue
-            keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in)
-            # a recomputed op reads its inputs again: received regions are kept until then
-            live(F, B if keeps else (self.rc_pos[o] if rc else F), recv)
+            end = self.shared_recv(o, j, cfg, self._saves_input) if self.readers[u] else None
+            if end is None:
+                # kept for the backward unless the op keeps its own copy (a cast) instead; a
+                # recomputed op reads its inputs again: received regions are kept until then
+                keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in) \
+                    and not self.copies(o, j, self._owner[u])
+                end = B if keeps else (self.rc_pos[o] if rc else F)
+            if end >= 0:  # (-1: a reader before o received it for both)
+                # the pieces received, then the region they make (partial sums added up)
+                live(F, F, recv)
+                live(F, end, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0))
             if rg[u]:
                 live(B, B, recv)
         ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
         self._ev[key] = ev
         return ev
+
+    def in_bytes(self, v: int, cfg, j: int) -> np.ndarray:
+        """Bytes per device of op v's input j regions, in the dtype its producer sends."""
+        key = ("in", self._rowkey[v], cfg, j)
+        r = self._rows.get(key)
+        if r is None:
+            r = np.zeros(self.ctx.D, np.int64)
+            bpe = dtype_bytes(self.ctx.cops[self.ctx.inputs[v][j]].dtype)
+            for p in partitions(self.ctx.ops[v], cfg):
+                if p.inputs[j] is not None:
+                    r[p.device] += region_numel(p.inputs[j]) * bpe
+            self._rows[key] = r
+        return r
+
+    def _saves_input(self, v: int, j: int) -> bool:
+        s = _saves(self.ctx.ops[v]).inputs
+        return not self.view[v] and (s == "all" or j in s)
 
     def cluster_events(self, c: int, cp):
         """Events of a parameter cluster's plan ``cp``: parameters, buffers and optimizer

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..strategy.regions import partitions
 from .plans import Context
 from .schedcore import prefix_peak
 from .taskkeys import GATHER, KIND_NAMES, PS, SYNC_MODELS, TID_BITS, TID_MASK, _prio, decode_prio
@@ -91,6 +92,7 @@ class TaskGraph(_Patching):
         self.BT = [None] * n
         self.EDGES = [None] * n    # o -> per input j: [(q, k, xf, xb)] for unit-external edges, else None
         self.EPLAN = [None] * n
+        self.ESHARE = [None] * n   # o -> per input j: its transfers are another reader's (shared read)
         self.SYNCT = [None] * nc   # cluster -> sync task per plan entry, then its gather tasks
         self.GATH = [({}, {})] * nc  # cluster -> (device -> forward gather task, -> backward gather task)
         self.CPLAN = [None] * nc
@@ -131,6 +133,7 @@ class TaskGraph(_Patching):
         for o in comp:
             self.EDGES[o] = [None] * len(ctx.inputs[o])
             self.EPLAN[o] = [None] * len(ctx.inputs[o])
+            self.ESHARE[o] = [False] * len(ctx.inputs[o])
             for j in ctx.ext_inputs[o]:
                 self._make_edge(o, j, False)
         for c in range(nc):
@@ -226,8 +229,15 @@ class TaskGraph(_Patching):
             self.EDGES[o][j] = self.EPLAN[o][j] = None
             return
         plan = self.EPLAN[o][j] = ctx.edge_plan(u, o, j, self.cfg[u], self.cfg[o])
-        uF, uB, oF, oB = self.FT[u], self.BT[u], self.FT[o], self.BT[o]
+        src = self._share_src(o, j, plan)
+        self.ESHARE[o][j] = src is not None
         rec = list(plan.direct)
+        if src is not None:  # an earlier reader's transfers bring it (its backward's take the gradient)
+            kmap = self._kmap(src, o, j)
+            rec += [(q, kmap[k], f, -2) for q, k, f, _ in self.EDGES[src[0]][src[1]] if f >= 0]
+            self.EDGES[o][j] = rec
+            return
+        uF, uB, oF, oB = self.FT[u], self.BT[u], self.FT[o], self.BT[o]
         if plan.xq:
             xf = self._alloc(*plan.fcols)
             xb = self._alloc(*plan.bcols)
@@ -239,6 +249,28 @@ class TaskGraph(_Patching):
                 self._repred.update(xf)
                 self._repred.update(xb)
         self.EDGES[o][j] = rec
+
+    def _share_src(self, o: int, j: int, plan):
+        """The earlier reader (op, input) whose transfers bring op o its input j (the same
+        regions to the same devices: the executor receives it once), or None."""
+        if not plan.xq:
+            return None
+        g = self.ctx.live.read_group(o, j, self.cfg)
+        if g is None or g[0] == (o, j):
+            return None
+        o0, j0 = g[0]
+        if self.EDGES[o0][j0] is None or self.ESHARE[o0][j0] or not self.EPLAN[o0][j0].xq:
+            return None
+        return g[0]
+
+    def _kmap(self, src: tuple, o: int, j: int) -> dict:
+        """Partition of the earlier reader -> o's partition reading the same region there."""
+        ops, cfg = self.ctx.ops, self.cfg
+        (o0, j0) = src
+        mine = {(p.device, tuple((s.start, s.stop) for s in p.inputs[j])): p.index
+                for p in partitions(ops[o], cfg[o]) if p.inputs[j] is not None}
+        return {p.index: mine[(p.device, tuple((s.start, s.stop) for s in p.inputs[j0]))]
+                for p in partitions(ops[o0], cfg[o0]) if p.inputs[j0] is not None}
 
     def _make_syncs(self, c: int, link: bool) -> None:
         ctx = self.ctx
@@ -409,7 +441,8 @@ class TaskGraph(_Patching):
                     continue
                 vB = BT[v]
                 for q, k, _, xb in rec:
-                    preds[q].append(xb if xb >= 0 else vB[k])
+                    if xb != -2:  # (-2: a shared read's gradient goes back with the first reader's)
+                        preds[q].append(xb if xb >= 0 else vB[k])
         for p, f in zip(preds, self.FT[h]):
             if not p:  # nothing flows back into it: it follows its own forward
                 p.append(f)
@@ -419,8 +452,8 @@ class TaskGraph(_Patching):
         """(busy, comm bytes) rows of op o."""
         t = self.tmpl[o]
         busy, comm = t.busy, 0
-        for e in self.EPLAN[o]:
-            if e is not None and e.comm:
+        for e, shared in zip(self.EPLAN[o], self.ESHARE[o]):
+            if e is not None and e.comm and not shared:
                 busy = busy + e.busy
                 comm += e.comm
         return busy, comm

@@ -161,6 +161,9 @@ class _Patching:
             for j in ctx.ext_inputs[o]:
                 edges.add((o, j))
             edges.update(ctx.cons[o])
+        readers = ctx.live.readers  # a read shared with a rebuilt edge is rebuilt with it
+        for o, j in list(edges):
+            edges.update((v, jj) for v, jj in readers[ctx.inputs[o][j]] if jj in ctx.ext_inputs[v])
         clusters = sorted({c for o in r_ops for c in ctx.op_clusters[o]})
         upd_units = {h for h in new_heads if h not in kept}
         upd_units.update(unit[ctx.clusters[c][0][0]] for c in clusters)
@@ -168,7 +171,7 @@ class _Patching:
         kill = []
         for o, j in edges:
             rec = self.EDGES[o][j]
-            if rec:
+            if rec and not self.ESHARE[o][j]:
                 for _, _, xf, xb in rec:
                     if xf >= 0:
                         kill.append(xf)

@@ -18,7 +18,7 @@ from ..graph.ops import RULES
 from ..graph.ops.base import out_region, region_numel
 from .config import REPLICA, ParallelConfig, StrategyError
 
-__all__ = ['Partition', 'validate_config', 'has_param_replicas', 'partitions', 'partition_at', 'split_dims', 'block_ranges', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap']
+__all__ = ['Partition', 'validate_config', 'has_param_replicas', 'partitions', 'partition_at', 'split_dims', 'block_ranges', 'pick_replica', 'canonical_partitions', 'ParamShard', 'param_placement', 'overlap', 'input_reads', 'shared_reader']
 
 
 @dataclass(frozen=True)
@@ -255,3 +255,35 @@ def overlap(a: tuple, b: tuple) -> tuple | None:
             return None
         out.append(slice(lo, hi))
     return tuple(out)
+
+
+def input_reads(op: Op, config: ParallelConfig, j: int) -> tuple:
+    """What ``op`` under ``config`` reads of its input ``j``: the sorted (device, region)
+    pairs of its partitions, the region as ((start, stop), ...) per axis.  Two readers of one
+    tensor with equal reads take the same data on the same devices: the executor receives it
+    once and shares it between them (and, under autocast, one cast of it), and the simulator
+    counts it once (:func:`shared_reader`)."""
+    cache = op.__dict__.setdefault("_reads", {})
+    key = (config, j)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = tuple(sorted(
+            (p.device, tuple((s.start, s.stop) for s in p.inputs[j]))
+            for p in partitions(op, config) if j < len(p.inputs) and p.inputs[j] is not None))
+    return hit
+
+
+def shared_reader(readers: list) -> dict:
+    """Readers of one tensor that share a read: ``readers`` is [(key, reads)] in graph
+    order (``reads`` from :func:`input_reads`, ``key`` any hashable naming the reader);
+    returns reader key -> the key of the first reader with the same reads, for every reader
+    after the first of its kind."""
+    first: dict = {}
+    out = {}
+    for key, reads in readers:
+        if not reads:
+            continue
+        f = first.setdefault(reads, key)
+        if f != key:
+            out[key] = f
+    return out
