@@ -121,4 +121,6 @@ def test_simulate_takes_the_sharded_baselines_and_block_recomputation(capsys):
     code, out, _ = run(capsys, *base, "--strategy", "fsdp", "--recompute", "blocks")
     d = json.loads(out)
     assert code == 0 and d["strategy"] == "fsdp (blocks recomputed)"
-    assert max(d["peak_memory_bytes"]) < 0.9 * peaks["fsdp"]
+    # (q, k and v share one bfloat16 copy of their input, gate and up another: what block
+    # recomputation drops is 7% of this small model's peak, where the logits dominate)
+    assert max(d["peak_memory_bytes"]) < 0.95 * peaks["fsdp"]
