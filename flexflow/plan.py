@@ -114,6 +114,14 @@ class Plan:
         from .native import parallelize_fn
         return parallelize_fn(self.native(graph))
 
+    def pipeline(self, model, device_mesh, loss_fn=None, graph=None):
+        """This rank's ``PipelineStage`` and the ``torch.distributed.pipelining`` schedule of a
+        pipelined plan (:func:`flexflow.native.pipe.pipeline`): ``stage, schedule =
+        plan.pipeline(model, mesh)``; the result's ``step(*inputs)`` runs one step.
+        ``loss_fn(output, target)`` only for a module that returns no loss."""
+        from .native.pipe import pipeline
+        return pipeline(self.native(graph), model, device_mesh, loss_fn=loss_fn)
+
     def check_devices(self, machine: Machine | None, num_devices: int) -> None:
         """Refuse to run on another number of devices, or on devices of another kind than the
         plan's machine (a cpu plan on GPUs, an H100 plan on A100s)."""

@@ -67,3 +67,63 @@ def train_native(rank: int, strategy: str, tp: int, batch: int = 8) -> dict:
     if rank == 0:
         out["reference"] = _losses(ref, batch, cfg)
     return out
+
+
+def _llama4(batch: int, device=None):
+    """The zoo's small LLaMA with 4 blocks (2 stages x 2 chunks for interleaving)."""
+    import dataclasses
+
+    from flexflow.models import config
+    from flexflow.models.llama import Llama
+    cfg = dataclasses.replace(config("llama", "small", None), layers=4)
+    torch.manual_seed(0)
+    if device == "meta":
+        with torch.device("meta"):
+            return Llama(cfg), cfg
+    return Llama(cfg), cfg
+
+
+PIPES = {  # name -> (world, megatron args)
+    "pp2": (2, dict(tp=1, pp=2, microbatches=2)),
+    "pp2_interleaved": (2, dict(tp=1, pp=2, microbatches=2, interleave=2)),
+    "pp2_fsdp2": (4, dict(tp=1, shard=3, pp=2, microbatches=2, schedule="gpipe")),
+    "pp2_tp2": (4, dict(tp=2, shard=3, pp=2, microbatches=2)),
+}
+
+
+def train_pipeline(rank: int, kind: str, batch: int = 8) -> dict:
+    """Plan the 4-block LLaMA as pipeline ``kind`` (:data:`PIPES`), build this rank's stage
+    and schedule with ``plan.pipeline`` on torch.distributed.pipelining, train 3 SGD steps
+    (each data-parallel rank feeding its share); rank 0 also trains the plain module."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flexflow.native import local_batch
+    torch.set_num_threads(1)
+    world, args = PIPES[kind]
+    module, cfg = _llama4(batch)
+    ref = copy.deepcopy(module)
+    inputs = _batch(0, batch, cfg)
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.preset("cpu", devices=world)
+    plan = ff.plan(module, machine, inputs, strategy=ff.Strategy.megatron(graph, machine, **args))
+    desc = plan.native()
+    mesh = init_device_mesh("cpu", tuple(desc["mesh"]["shape"]), mesh_dim_names=tuple(desc["mesh"]["dim_names"]))
+    pipe = plan.pipeline(module, mesh)
+    stage, schedule = pipe
+    params = [p for s in pipe.stages for p in s.submod.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = pipe.step(*local_batch(_batch(step, batch, cfg), mesh))
+        opt.step()
+        value = torch.zeros(()) if loss is None else loss.detach().clone()
+        dist.all_reduce(value)
+        value /= world // mesh["pp"].size()  # (the ranks holding the last stage)
+        losses.append(float(value))
+    out = {"losses": losses, "mesh": desc["mesh"], "pipeline": {k: desc["pipeline"][k] for k in
+                                                                 ("stages", "schedule", "microbatches")},
+           "schedule": type(schedule).__name__}
+    if rank == 0:
+        out["reference"] = _losses(ref, batch, cfg)
+    return out

@@ -91,3 +91,73 @@ def test_the_example_trains_under_torchrun_as_one_process():
         opt.step()
         ref.append(float(loss))
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(W.PIPES))
+def test_a_pipelined_plan_trains_on_torch_pipelining_as_one_process(kind):
+    """plan.pipeline(model, mesh): this rank's PipelineStage(s) and the schedule, cut at the
+    plan's stage boundaries, with the plan's FSDP / tensor parallelism inside each stage;
+    three SGD steps equal the plain module's (float32)."""
+    world = W.PIPES[kind][0]
+    res = launch(W.train_pipeline, world, kind, timeout_s=240)
+    ref = res[0]["reference"]
+    for r in res:
+        err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+        assert err <= TOL, (kind, r["losses"], ref)
+    want = {"pp2": "Schedule1F1B", "pp2_interleaved": "ScheduleInterleaved1F1B", "pp2_fsdp2": "ScheduleGPipe",
+            "pp2_tp2": "Schedule1F1B"}[kind]
+    assert res[0]["schedule"] == res[0]["pipeline"]["schedule"] == want
+    stages = res[0]["pipeline"]["stages"]
+    assert stages[0][0] == "tok_embeddings" and stages[-1][-2:] == ["norm", "output"]
+    assert sum(len(s) for s in stages) == 4 + 3
+
+
+def test_native_describes_a_3d_plan_with_its_stages():
+    """LLaMA-8B on 16 H100s, TP 4 x PP 2 x FSDP 2: the mesh as the plan lays ranks out, the
+    blocks of each stage, the schedule class and micro-batches, and an input spec from
+    which one micro-batch is made."""
+    from flexflow.native import native_plan
+    module, inputs = ff.models.get("llama", size="8b", batch_size=8, seq_len=512, device="meta")
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.preset("h100-cluster", devices=16)
+    s = ff.Strategy.megatron(graph, machine, tp=4, shard=3, pp=2, microbatches=4)
+    d = native_plan(graph, s, "bf16-params")
+    assert d["mesh"] == {"shape": [2, 2, 4], "dim_names": ["dp_shard", "pp", "tp"]}
+    p = d["pipeline"]
+    assert p["schedule"] == "Schedule1F1B" and p["microbatches"] == 4 and p["stages_per_rank"] == 1
+    assert p["stages"][0][:2] == ["tok_embeddings", "layers.0"] and p["stages"][1][-2:] == ["norm", "output"]
+    assert [b for st in p["stages"] for b in st if b.startswith("layers.")] == [f"layers.{i}" for i in range(32)]
+    assert p["inputs"][0] == {"shape": [8, 512], "dtype": "int64", "batch_dim": 0}
+    assert d["tensor_parallel"]["layers.31.attention.wq"] == "ColwiseParallel"
+    assert d["fully_shard"][-1]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+def test_a_stage_cut_inside_a_module_or_a_tied_weight_is_refused_in_words():
+    import torch
+
+    from flexflow.native import native_plan
+    from flexflow.native.split import split_stages
+    from flexflow.strategy.config import ParallelConfig
+    module, _ = W._llama4(8, device="meta")
+    inputs = W._batch(0, 8, module.config)
+    inputs = tuple(t.to("meta") for t in inputs)
+    graph = ff.trace(module, inputs)
+    machine = ff.Machine.preset("cpu", devices=2)
+    s = ff.Strategy.megatron(graph, machine, tp=1, pp=2, microbatches=2)
+    first = next(op for op in graph.compute_ops if op.module_path.startswith("layers.2."))
+    c = s[first.name]
+    moved = s.replace(first.name, ParallelConfig(c.degrees, (0,), c.shard, c.recompute))
+    with pytest.raises(StrategyError, match=r"cut between pipeline stages 0 and 1 falls inside module layers\.2"):
+        native_plan(graph, moved)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.mid = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(self.mid(self.emb(x)), self.emb.weight).sum()
+    with pytest.raises(StrategyError, match=r"emb\.weight is used on stages 0 and 1 \(tied"):
+        split_stages(Tied(), [["emb"], ["mid"]], [torch.zeros(2, 3, dtype=torch.long)])

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import copy
 
-from .graph.ir import OpGraph, repeated_block
-from .strategy.config import StrategyError
-from .strategy.regions import partitions
+from ..graph.ir import OpGraph, repeated_block
+from ..strategy.config import StrategyError
+from ..strategy.regions import partitions
 
 __all__ = ["native_plan", "parallelize_fn", "local_batch"]
 
@@ -39,25 +39,24 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     ``checkpoint`` (block FQNs), ``replicated_in_tp`` (parameter modules computed whole on
     each tensor-parallel rank), ``precision`` and ``pipeline`` (None: no pipeline stages).
     Each data-parallel rank feeds its share of the global batch (:func:`local_batch`)."""
-    D = getattr(strategy, "num_devices", None)
     pipe = getattr(strategy, "pipeline", None)
-    if pipe is not None:
-        raise StrategyError(f"this plan is a pipeline ({pipe}); its description for torch.distributed.pipelining "
-                            "is not written yet: run it with flexflow.parallelize")
+    groups, group_of = _stage_groups(graph, strategy, pipe)
+    D = len(groups[0])
     ops = graph.compute_ops
     dp = tp = None
     shard = None
     styles: dict[str, str] = {}
     whole_in_tp: set[str] = set()
     recompute: dict[str, list[bool]] = {}
+    levels: list = []
     for op in ops:
         cfg = strategy[op.name]
-        n = len(cfg.devices)
-        if D is None:
-            D = n
-        if tuple(cfg.devices) != tuple(range(D)):
-            raise StrategyError(f"{op.describe()}: runs on devices {list(cfg.devices)}, not on the whole mesh of "
-                                f"{D}: torch's engines place every module on every rank")
+        group = groups[group_of[op.name]]
+        if tuple(cfg.devices) != tuple(group):
+            where = f"the whole mesh of {D}" if pipe is None else f"its stage's devices {list(group)}"
+            raise StrategyError(f"{op.describe()}: runs on devices {list(cfg.devices)}, not on {where}: torch's "
+                                "engines place every module on every rank of its mesh")
+        local = {dev: i for i, dev in enumerate(group)}
         d = op.sample_dim
         op_dp = cfg.degrees.get(d.name, 1) if d is not None else 1
         if d is None and op.output_shape:
@@ -73,12 +72,7 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
             recompute.setdefault(block, []).append(bool(cfg.recompute))
         if not op.params:
             continue
-        level = cfg.shard
-        if shard is None:
-            shard = level
-        elif level != shard:
-            raise StrategyError(f"{op.describe()}: shard level {level} where the plan's other parameters are at "
-                                f"{shard}: the mesh's data-parallel dim shards every parameter alike")
+        levels.append((op, cfg.shard))
         tensor = {k: v for k, v in cfg.degrees.items() if d is None or k != d.name}
         owner = next(iter(op.params.values())).rsplit(".", 1)[0]
         if op.rule in ("linear", "linear_t") and tensor in ({"c": tp}, {"k": tp}) and tp > 1:
@@ -91,21 +85,29 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
                                 "DTensor style of a whole module expresses")
         elif tp > 1:
             whole_in_tp.add(owner)
-        _check_order(op, cfg, d, dp or 1, tp or 1)
+        _check_order(op, cfg, d, dp or 1, tp or 1, local)
     if dp is None:
         dp, tp = D, 1
-    shard = shard or 0
+    shard = 0
+    if dp > 1:  # (with one data-parallel rank nothing is sharded in torch's terms)
+        for op, level in levels:
+            if level != levels[0][1]:
+                raise StrategyError(f"{op.describe()}: shard level {level} where the plan's other parameters are "
+                                    f"at {levels[0][1]}: the mesh's data-parallel dim shards every parameter alike")
+        shard = levels[0][1] if levels else 0
     if shard == 1:
         raise StrategyError("shard level 1 (optimizer state sharded, parameters and gradients whole) has no "
                             "FSDP2 form: plan with shard 0, 2 or 3")
-    if tp > 1 and shard == 0 and dp > 1:
+    if tp > 1 and shard == 0 and dp > 1 and pipe is None:
         raise StrategyError("data parallelism without sharding beside tensor parallelism: torch's replicate "
                             "(DDP) takes a 1-D mesh; plan with shard=3 (FSDP x TP)")
-    if tp > 1:
-        names = ["dp_shard", "tp"]
+    dp_name = "dp_shard" if shard else "dp_replicate"
+    if pipe is None:
+        dims = [(dp_name, dp)] + ([("tp", tp)] if tp > 1 else [])
+        pipeline = None
     else:
-        names = ["dp_shard"] if shard else ["dp_replicate"]
-    shape = [dp, tp] if tp > 1 else [dp]
+        dims, pipeline = _pipeline_description(graph, strategy, groups, dp, tp, dp_name)
+    names, shape = [n for n, _ in dims], [k for _, k in dims]
     blocks = sorted({b for b in recompute}, key=_block_key)
     units = []
     if shard:
@@ -127,15 +129,69 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
         "checkpoint": [b for b in blocks if all(recompute[b])],
         "precision": precision,
         "autocast": "bfloat16" if precision in ("bf16-mixed", "16-mixed") else None,
-        "pipeline": None,
+        "pipeline": pipeline,
     }
+
+
+def _stage_groups(graph: OpGraph, strategy, pipe) -> tuple[list[list[int]], dict[str, int]]:
+    """The device group of each pipeline stage (one group without a pipeline) and each
+    op's group."""
+    if pipe is None:
+        D = getattr(strategy, "num_devices", None) or max(len(strategy[op.name].devices) for op in graph.compute_ops)
+        return [list(range(D))], {op.name: 0 for op in graph.compute_ops}
+    sizes = {len(g) for g in pipe.stages}
+    if len(sizes) > 1:
+        raise StrategyError(f"the pipeline's stages have {sorted(sizes)} devices: one mesh gives each stage the "
+                            "same number")
+    run_of = pipe.stage_of()
+    return [list(g) for g in pipe.stages], {name: pipe.runs[r][0] for name, r in run_of.items()}
+
+
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+
+def _pipeline_description(graph: OpGraph, strategy, groups, dp: int, tp: int, dp_name: str):
+    """The mesh dims (the stages' devices as a slice of it) and the ``pipeline`` entry: the
+    module FQNs of each virtual stage, the schedule class, the micro-batches, and the
+    inputs (global shapes, dtypes, batch axes) from which one micro-batch is made."""
+    pipe = strategy.pipeline
+    pp, G = len(groups), len(groups[0])
+    outer = [list(range(s * G, (s + 1) * G)) for s in range(pp)]
+    inner = [sorted(t + tp * (s + pp * d) for d in range(dp) for t in range(tp)) for s in range(pp)]
+    data = [(dp_name, dp)] if dp > 1 else []
+    tensor = [("tp", tp)] if tp > 1 else []
+    if groups == outer:
+        dims = [("pp", pp)] + data + tensor
+    elif groups == inner:
+        dims = data + [("pp", pp)] + tensor
+    else:
+        raise StrategyError(f"the pipeline's stages run on devices {groups}, which no mesh of {pp} stages x "
+                            f"{dp} data x {tp} tensor ranks lays out (each stage a slice of the mesh's pp dim)")
+    unit_run: dict[str, int] = {}
+    stages: list[list[str]] = [[] for _ in pipe.runs]
+    for r, (_, names) in enumerate(pipe.runs):
+        for name in names:
+            op = graph.op(name)
+            if not op.module_path:
+                continue
+            unit = repeated_block(op.module_path) or op.module_path
+            first = unit_run.setdefault(unit, r)
+            if first != r:
+                raise StrategyError(f"{op.describe()}: the cut between pipeline stages {first} and {r} falls inside "
+                                    f"module {unit}: torch's pipeline stages are cut between modules")
+            if unit not in stages[r]:
+                stages[r].append(unit)
+    inputs = [{"shape": list(op.output_shape), "dtype": str(op.dtype).removeprefix("torch."),
+               "batch_dim": op.attrs.get("batch_axis")} for op in graph.ops if op.kind == "input"]
+    return dims, {"stages": stages, "schedule": _SCHEDULES[pipe.schedule], "microbatches": pipe.microbatches,
+                  "stages_per_rank": pipe.interleave, "inputs": inputs}
 
 
 def _block_key(name: str):
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
-def _check_order(op, cfg, d, dp: int, tp: int) -> None:
+def _check_order(op, cfg, d, dp: int, tp: int, local: dict) -> None:
     """Partition k of a plan on the mesh runs on rank (batch block) * tp + (tensor block):
     the data-parallel dim outermost, as the mesh lays ranks out."""
     if tp == 1 or d is None or len(cfg.devices) == 1:
@@ -143,7 +199,7 @@ def _check_order(op, cfg, d, dp: int, tp: int) -> None:
     for p in partitions(op, cfg):
         a, _ = p.block.get(d.name, (0, d.size))
         i = (a // d.unit) * dp // d.blocks
-        if p.device // tp != i:
+        if local[p.device] // tp != i:
             raise StrategyError(f"{op.describe()}: partition {p.index} (batch block {i}) runs on rank {p.device}, "
                                 f"outside that block's tensor-parallel group: the mesh puts data parallelism "
                                 "outermost")
@@ -152,8 +208,11 @@ def _check_order(op, cfg, d, dp: int, tp: int) -> None:
 def parallelize_fn(description: dict):
     """``fn(model, device_mesh) -> model`` applying ``description`` (:func:`native_plan`) with
     torch's engines: tensor parallelism on the mesh's ``tp`` dim, checkpointing, then
-    ``fully_shard`` per block and at the root on its data dim (or ``replicate``)."""
+    ``fully_shard`` per block and at the root on its data dim (or ``replicate``).  Under a
+    pipeline ``model`` is one stage (:func:`flexflow.native.pipe.pipeline` calls it per
+    stage): what the description names outside the stage is left alone."""
     desc = copy.deepcopy(description)  # a copy the caller cannot change
+    staged = desc.get("pipeline") is not None
 
     def fn(model, device_mesh):
         import torch
@@ -165,17 +224,35 @@ def parallelize_fn(description: dict):
         if names != want or list(device_mesh.mesh.shape) != desc["mesh"]["shape"]:
             raise ValueError(f"the plan runs on a mesh of shape {desc['mesh']['shape']} named {want}; "
                              f"got {list(device_mesh.mesh.shape)} named {names}")
+
+        def has(fqn: str) -> bool:
+            if not fqn:
+                return True
+            try:
+                model.get_submodule(fqn)
+            except AttributeError:
+                if staged:
+                    return False
+                raise
+            return True
         if "tp" in names:
             styles = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel}
-            plan = {fqn: styles[s]() for fqn, s in desc["tensor_parallel"].items()}
+            plan = {fqn: styles[s]() for fqn, s in desc["tensor_parallel"].items() if has(fqn)}
             parallelize_module(model, device_mesh["tp"], plan)
         for fqn in desc["checkpoint"]:
+            if not has(fqn):
+                continue
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
             parent, _, child = fqn.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
             setattr(owner, child, checkpoint_wrapper(getattr(owner, child)))
-        data = device_mesh[names[0]] if len(names) > 1 else device_mesh
+        dp_name = next((n for n in names if n.startswith("dp")), None)
+        if dp_name is None:
+            return model
+        data = device_mesh[dp_name] if len(names) > 1 else device_mesh
         for unit in desc["fully_shard"]:
+            if not has(unit["module"]):
+                continue
             mp = unit.get("mp_policy")
             policy = MixedPrecisionPolicy(param_dtype=getattr(torch, mp["param_dtype"]),
                                           reduce_dtype=getattr(torch, mp["reduce_dtype"])) if mp \
@@ -183,18 +260,25 @@ def parallelize_fn(description: dict):
             target = model.get_submodule(unit["module"]) if unit["module"] else model  # (a block's checkpoint wrapper)
             fully_shard(target, mesh=data, reshard_after_forward=unit["reshard_after_forward"], mp_policy=policy)
         if desc["replicate"]:
-            from torch.distributed._composable.replicate import replicate
-            replicate(model, device_mesh=data)
+            if staged:  # the replicate pipeline stages know (FSDP's, without sharding)
+                from torch.distributed._composable.replicate_with_fsdp import replicate
+                replicate(model, mesh=data)
+            else:
+                from torch.distributed._composable.replicate import replicate
+                replicate(model, device_mesh=data)
         return model
     return fn
 
 
 def local_batch(batch, device_mesh, batch_dim: int = 0):
     """This rank's share of a global ``batch`` (a tensor or a tuple of them) under a plan's
-    mesh: the data-parallel rank (the mesh's first dim) takes its block of the batch dim;
+    mesh: the data-parallel rank (the mesh's ``dp_*`` dim) takes its block of the batch dim;
     the ranks of one tensor-parallel group take the same block, as torch's engines expect."""
     import torch
-    data = device_mesh[device_mesh.mesh_dim_names[0]] if device_mesh.ndim > 1 else device_mesh
+    dp_name = next((n for n in device_mesh.mesh_dim_names or () if n.startswith("dp")), None)
+    if dp_name is None:
+        return batch
+    data = device_mesh[dp_name] if device_mesh.ndim > 1 else device_mesh
     k, n = data.get_local_rank(), data.size()
 
     def share(t):
