@@ -23,9 +23,14 @@ def test_native_describes_the_mesh_family_as_torchtitan_would():
     d = p.native()
     assert d["mesh"] == {"shape": [2, 4], "dim_names": ["dp_shard", "tp"]}
     tp = d["tensor_parallel"]
-    assert tp["layers.0.attention.wq"] == tp["layers.0.feed_forward.w1"] == "ColwiseParallel"
-    assert tp["layers.0.attention.wo"] == tp["layers.0.feed_forward.w2"] == "RowwiseParallel"
-    assert "tok_embeddings" in d["replicated_in_tp"]
+    # Megatron's sequence parallelism, as torchtitan writes it: flexflow splits the norms by tokens
+    assert d["sequence_parallel"]
+    assert tp["layers.0.attention.wq"] == tp["layers.0.feed_forward.w1"] == "ColwiseParallel(input_layouts=Shard(1))"
+    assert tp["layers.0.attention.wo"] == tp["layers.0.feed_forward.w2"] == "RowwiseParallel(output_layouts=Shard(1))"
+    assert tp["layers.1.ffn_norm"] == "SequenceParallel()"
+    assert tp["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))"
+    assert tp["norm"].startswith("PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)")
+    assert d["replicated_in_tp"] == ["output"]
     units = [u["module"] for u in d["fully_shard"]]
     assert units[-1] == "" and units[:2] == ["layers.0", "layers.1"]
     assert all(u["reshard_after_forward"] and u["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
@@ -60,7 +65,7 @@ def test_training_through_torchs_engines_equals_one_process(strategy, world, tp)
         err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
         assert err <= TOL, (strategy, r["losses"], ref)
     if tp > 1:
-        assert res[0]["mesh"]["shape"] == [world // tp, tp] and res[0]["styles"] == 14
+        assert res[0]["mesh"]["shape"] == [world // tp, tp] and res[0]["styles"] == 20
 
 
 @pytest.mark.slow
@@ -129,8 +134,15 @@ def test_native_describes_a_3d_plan_with_its_stages():
     assert p["stages"][0][:2] == ["tok_embeddings", "layers.0"] and p["stages"][1][-2:] == ["norm", "output"]
     assert [b for st in p["stages"] for b in st if b.startswith("layers.")] == [f"layers.{i}" for i in range(32)]
     assert p["inputs"][0] == {"shape": [8, 512], "dtype": "int64", "batch_dim": 0}
-    assert d["tensor_parallel"]["layers.31.attention.wq"] == "ColwiseParallel"
+    assert d["sequence_parallel"] and d["tensor_parallel"]["layers.31.attention.wq"].startswith("ColwiseParallel")
     assert d["fully_shard"][-1]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    # read as a torchtitan config: the degrees, and one tensor-parallel plan for every block
+    t = d["parallelism"]
+    assert (t["data_parallel_shard_degree"], t["tensor_parallel_degree"], t["pipeline_parallel_degree"]) == (2, 4, 2)
+    assert t["pipeline_parallel_schedule"] == "1F1B" and t["sequence_parallel"] and t["activation_checkpoint"] == "none"
+    assert t["mixed_precision_param"] == "bfloat16" and t["fsdp_reshard_after_forward"] == "always"
+    block = d["block_plan"]["layers.*"]
+    assert block["attention_norm"] == "SequenceParallel()" and len(block) == 9
 
 
 def test_a_stage_cut_inside_a_module_or_a_tied_weight_is_refused_in_words():

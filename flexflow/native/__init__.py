@@ -28,6 +28,7 @@ import copy
 from ..graph.ir import OpGraph, repeated_block
 from ..strategy.config import StrategyError
 from ..strategy.regions import partitions
+from .styles import make_style, sequence_parallel_styles
 
 __all__ = ["native_plan", "parallelize_fn", "local_batch"]
 
@@ -49,6 +50,7 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     whole_in_tp: set[str] = set()
     recompute: dict[str, list[bool]] = {}
     levels: list = []
+    token_split: dict[str, tuple] = {}
     for op in ops:
         cfg = strategy[op.name]
         group = groups[group_of[op.name]]
@@ -85,6 +87,8 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
                                 "DTensor style of a whole module expresses")
         elif tp > 1:
             whole_in_tp.add(owner)
+            if tensor:
+                token_split.setdefault(owner, (op, sorted(tensor)))
         _check_order(op, cfg, d, dp or 1, tp or 1, local)
     if dp is None:
         dp, tp = D, 1
@@ -108,6 +112,10 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     else:
         dims, pipeline = _pipeline_description(graph, strategy, groups, dp, tp, dp_name)
     names, shape = [n for n, _ in dims], [k for _, k in dims]
+    seq = sequence_parallel_styles(graph, strategy, styles, token_split) if tp > 1 else None
+    if seq is not None:
+        styles = seq
+        whole_in_tp -= set(seq)
     blocks = sorted({b for b in recompute}, key=_block_key)
     units = []
     if shard:
@@ -120,13 +128,33 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
         mp = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
     for u in units:
         u["mp_policy"] = mp
+    checkpoint = [b for b in blocks if all(recompute[b])]
+    degrees = dict(zip(names, shape))
+    titan = {
+        "data_parallel_replicate_degree": degrees.get("dp_replicate", 1),
+        "data_parallel_shard_degree": degrees.get("dp_shard", 1),
+        "fsdp_reshard_after_forward": "always" if shard == 3 else "never" if shard == 2 else None,
+        "tensor_parallel_degree": tp,
+        "sequence_parallel": seq is not None,
+        "context_parallel_degree": 1,
+        "pipeline_parallel_degree": degrees.get("pp", 1),
+        "pipeline_parallel_schedule": pipeline["schedule"].removeprefix("Schedule") if pipeline else None,
+        "pipeline_parallel_microbatches": pipeline["microbatches"] if pipeline else None,
+        "activation_checkpoint": "full" if checkpoint and len(checkpoint) == len(blocks) else
+        "per block" if checkpoint else "none",
+        "mixed_precision_param": (mp or {}).get("param_dtype", "bfloat16" if precision in ("bf16-mixed", "16-mixed")
+                                                else "float32"),
+    }
     return {
+        "parallelism": titan,
+        "block_plan": _block_plan(styles, blocks),
         "mesh": {"shape": shape, "dim_names": names},
         "tensor_parallel": dict(sorted(styles.items(), key=lambda kv: _block_key(kv[0]))),
+        "sequence_parallel": seq is not None,
         "replicated_in_tp": sorted(whole_in_tp, key=_block_key),
         "fully_shard": units,
         "replicate": not shard and dp > 1,
-        "checkpoint": [b for b in blocks if all(recompute[b])],
+        "checkpoint": checkpoint,
         "precision": precision,
         "autocast": "bfloat16" if precision in ("bf16-mixed", "16-mixed") else None,
         "pipeline": pipeline,
@@ -187,6 +215,21 @@ def _pipeline_description(graph: OpGraph, strategy, groups, dp: int, tp: int, dp
                   "stages_per_rank": pipe.interleave, "inputs": inputs}
 
 
+def _block_plan(styles: dict[str, str], blocks: list[str]) -> dict:
+    """The tensor-parallel plan of one repeated block, FQNs relative to it, keyed by the
+    blocks' pattern (``{"layers.*": {"attention.wq": ...}}``), where every block of that
+    container has the same plan (as torchtitan writes one plan for every block)."""
+    out = {}
+    by_parent: dict[str, list[str]] = {}
+    for b in blocks:
+        by_parent.setdefault(b.rsplit(".", 1)[0], []).append(b)
+    for parent, bs in by_parent.items():
+        plans = [{k[len(b) + 1:]: v for k, v in styles.items() if k.startswith(b + ".")} for b in bs]
+        if plans[0] and all(p == plans[0] for p in plans):
+            out[f"{parent}.*"] = dict(sorted(plans[0].items()))
+    return out
+
+
 def _block_key(name: str):
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
@@ -217,7 +260,7 @@ def parallelize_fn(description: dict):
     def fn(model, device_mesh):
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
 
         names = list(device_mesh.mesh_dim_names or ())
         want = desc["mesh"]["dim_names"]
@@ -236,8 +279,7 @@ def parallelize_fn(description: dict):
                 raise
             return True
         if "tp" in names:
-            styles = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel}
-            plan = {fqn: styles[s]() for fqn, s in desc["tensor_parallel"].items() if has(fqn)}
+            plan = {fqn: make_style(s) for fqn, s in desc["tensor_parallel"].items() if has(fqn)}
             parallelize_module(model, device_mesh["tp"], plan)
         for fqn in desc["checkpoint"]:
             if not has(fqn):
