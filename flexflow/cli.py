@@ -323,12 +323,23 @@ def cmd_simulate(args) -> int:
     name = args.strategy if not os.path.isfile(args.strategy) else os.path.basename(args.strategy)
     if args.recompute == "blocks":
         name += " (blocks recomputed)"
+    native = None
+    if args.native:
+        from .native import native_plan
+        native = native_plan(graph, strategy, precision)
     if args.json:
-        print(json.dumps(_sim_json(label, machine, name, res, graph.batch_size, precision)))
+        out = _sim_json(label, machine, name, res, graph.batch_size, precision)
+        if native is not None:
+            out["native"] = native
+        print(json.dumps(out))
     else:
         _print_sim(label, machine, name, res, graph.batch_size, precision)
         if args.trace:
             print(f"  timeline written to {args.trace}")
+        if native is not None:
+            from .native.text import describe
+            print("in torch's terms (plan.native()):")
+            print("\n".join("  " + line for line in describe(native).splitlines()))
     return 0
 
 
@@ -472,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--interleave", type=int, default=1,
                            help="megatron / fsdp_tp: virtual stages per device group (interleaving)")
             s.add_argument("--trace", help="write a Chrome/Perfetto timeline here")
+            s.add_argument("--native", action="store_true",
+                           help="also print the plan in torch's terms (FSDP2, DTensor, pipelining): plan.native()")
         else:
             s.add_argument("--budget", type=float, default=30.0, help="seconds")
             s.add_argument("--evaluations", type=int, help="evaluation budget (reproducible)")

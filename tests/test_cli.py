@@ -124,3 +124,18 @@ def test_simulate_takes_the_sharded_baselines_and_block_recomputation(capsys):
     # (q, k and v share one bfloat16 copy of their input, gate and up another: what block
     # recomputation drops is 7% of this small model's peak, where the logits dominate)
     assert max(d["peak_memory_bytes"]) < 0.95 * peaks["fsdp"]
+
+
+def test_simulate_native_prints_the_plan_in_torchs_terms(capsys):
+    base = ("simulate", "llama", "--size", "small", "--batch", "8", "--machine", "h100-cluster", "--devices", "8",
+            "--strategy", "fsdp_tp", "--tp", "2", "--pp", "2", "--microbatches", "2", "--native")
+    code, out, _ = run(capsys, *base)
+    assert code == 0
+    assert "mesh: dp_shard=2 x pp=2 x tp=2" in out and "every layers.*:" in out
+    assert "SequenceParallel()" in out and "stage 1: layers.1, norm, output" in out
+    code, out, _ = run(capsys, *base, "--json")
+    native = json.loads(out)["native"]
+    assert native["pipeline"]["schedule"] == "Schedule1F1B" and native["parallelism"]["tensor_parallel_degree"] == 2
+    code, _, err = run(capsys, "simulate", "llama", "--size", "small", "--batch", "8", "--machine", "h100-cluster",
+                       "--devices", "4", "--strategy", "zero1", "--native")
+    assert code == 2 and "shard level 1" in err
