@@ -1,13 +1,16 @@
-"""Plan with flexflow, train with torch's own engines (FSDP2 x DTensor tensor parallelism).
+"""Plan with flexflow, train with torch's own engines (FSDP2 x DTensor tensor parallelism,
+and torch.distributed.pipelining with --pp).
 
-    torchrun --nproc-per-node 4 examples/native_fsdp_tp.py [--tp 2] [--steps 5] [--plan plan.json]
+    torchrun --nproc-per-node 4 examples/native_fsdp_tp.py [--tp 2] [--pp 1] [--steps 5] [--plan plan.json]
 
 Rank 0 plans the model on the ``meta`` device (no memory) for the run's ranks, with the
 FSDP x TP plan (``Strategy.megatron(tp=..., shard=3)``) or a plan file made elsewhere, and
 prints ``plan.native()``: the mesh, the tensor-parallel style of each module, the FSDP
 units.  Every rank then builds the real model, applies the plan with
 ``plan.parallelize_fn()`` on a device mesh of that shape, and trains with a plain loop:
-FSDP2, DTensor and AdamW do the work, no flexflow runtime.  On CPUs the process group is
+FSDP2, DTensor and AdamW do the work, no flexflow runtime.  With ``--pp 2`` the plan has
+two pipeline stages (two micro-batches, 1F1B) and each rank runs its stage through
+``flexflow.native.pipe.pipeline`` (a ``PipelineStage`` and the schedule).  On CPUs the process group is
 gloo (one thread a rank); on GPUs, NCCL.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import flexflow as ff
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (the rest is FSDP)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (two micro-batches a step)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--plan", default=None, help="a plan file (ff.plan(...).to_json()) instead of FSDP x TP")
@@ -49,7 +53,8 @@ def main(argv=None) -> int:
                 desc = plan.native(ff.trace(meta, inputs))
             else:
                 graph = ff.trace(meta, inputs)
-                strategy = ff.Strategy.megatron(graph, machine, tp=a.tp, shard=3)
+                strategy = ff.Strategy.megatron(graph, machine, tp=a.tp, shard=3, pp=a.pp,
+                                                microbatches=2 if a.pp > 1 else 1)
                 desc = ff.plan(meta, machine, inputs, strategy=strategy).native()
             print(json.dumps(desc, indent=1), flush=True)
             box = [desc]
@@ -64,18 +69,31 @@ def main(argv=None) -> int:
         mesh = init_device_mesh("cuda" if cuda else "cpu", tuple(desc["mesh"]["shape"]),
                                 mesh_dim_names=tuple(desc["mesh"]["dim_names"]))
         from flexflow.native import local_batch, parallelize_fn
-        model = parallelize_fn(desc)(model, mesh)
+        from flexflow.native.pipe import pipeline
         mine = local_batch(batch, mesh)  # this data-parallel rank's share (a TP group shares one)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if desc["pipeline"] is None:
+            model = parallelize_fn(desc)(model, mesh)
+            params, holders = list(model.parameters()), world
+        else:  # this rank's stage of the module, and the schedule
+            pipe = pipeline(desc, model, mesh)
+            params = [p for stage in pipe.stages for p in stage.submod.parameters()]
+            holders = world // mesh["pp"].size()  # the ranks of the last stage hold the loss
+        opt = torch.optim.AdamW(params, lr=1e-3)
         for step in range(a.steps):
             opt.zero_grad()
-            loss = model(*mine)
-            loss.backward()
+            if desc["pipeline"] is None:
+                loss = model(*mine)
+                loss.backward()
+            else:
+                loss = pipe.step(*mine)  # the micro-batches' mean loss on the last stage, else None
             opt.step()
-            value = loss.detach().clone()
+            value = torch.zeros(()) if loss is None else loss.detach().clone()
+            if cuda:
+                value = value.cuda()
             dist.all_reduce(value)  # the global batch's loss: the mean of the shares'
             if rank == 0:
-                print(f"step {step}: loss {float(value) / world:.6f}", flush=True)
+                print(f"step {step}: loss {float(value) / holders:.6f}", flush=True)
+        dist.barrier()  # every rank's collectives finished before the group goes
     finally:
         dist.destroy_process_group()
     return 0

@@ -69,9 +69,11 @@ def test_training_through_torchs_engines_equals_one_process(strategy, world, tp)
 
 
 @pytest.mark.slow
-def test_the_example_trains_under_torchrun_as_one_process():
-    """examples/native_fsdp_tp.py: planned on the meta device, trained with FSDP2 x TP under
-    torchrun on 4 gloo processes; its losses are the plain module's with AdamW."""
+@pytest.mark.parametrize("args", [(), ("--pp", "2")], ids=["fsdp_tp", "fsdp_tp_pp"])
+def test_the_example_trains_under_torchrun_as_one_process(args):
+    """examples/native_fsdp_tp.py: planned on the meta device, trained with FSDP2 x TP (and
+    two pipeline stages on torch.distributed.pipelining) under torchrun on 4 gloo
+    processes; its losses are the plain module's with AdamW."""
     import os
     import re
     import subprocess
@@ -80,7 +82,7 @@ def test_the_example_trains_under_torchrun_as_one_process():
     import torch
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                        os.path.join(root, "examples", "native_fsdp_tp.py"), "--steps", "3"],
+                        os.path.join(root, "examples", "native_fsdp_tp.py"), "--steps", "3", *args],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", r.stdout)]
