@@ -109,3 +109,79 @@ def mixed16(rank: int, name: str, batch: int, specs) -> list:
         out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scales,
                     float(ref_scaler.get_scale())))
     return out
+
+
+def _loop_bf16_params(model, batch: int) -> list:
+    """SGD steps with every parameter cast to bfloat16 for compute (floating inputs and
+    constant buffers too), as FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32) runs a module in one process whose rotary tables follow its
+    activations' dtype; the float32 parameters take the gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for i in range(STEPS):
+        opt.zero_grad()
+        xs = batch_for(model, batch, i)
+        xs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in xs)
+        params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        params.update({n: b.to(torch.bfloat16) for n, b in model.named_buffers()
+                       if b.is_floating_point() and "running_" not in n})  # (rotary tables)
+        loss = torch.func.functional_call(model, params, xs)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def params16(rank: int, name: str, batch: int, specs) -> list:
+    """bf16-params on the world for each strategy spec against one process casting its
+    parameters (SGD steps): (spec, loss relative errors, the parameters' relative error,
+    float32 training's parameters' relative distance from the reference, the dtypes the
+    forward's matrix products read, the parameters' dtypes after training)."""
+    torch.set_num_threads(1)
+    module, example = build(name, batch)
+    init = copy.deepcopy(module.state_dict())
+    ref = copy.deepcopy(module)
+    ref_losses = _loop_bf16_params(ref, batch)
+    fp32 = copy.deepcopy(module)
+    _loop(fp32, batch, False)
+    refs = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
+    state32 = fp32.state_dict()
+    scale = _norm([state32[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
+    graph = ff.trace(module, example)
+    out = []
+    for spec in specs:
+        module.load_state_dict(init)
+        strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
+        par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="bf16-params")
+        losses = _loop(par, batch, False)
+        with _MatmulDtypes() as seen:  # what the forward's matrix products read
+            par(*batch_for(module, batch, 0))
+        state = par.state_dict()
+        whole = _norm([state[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
+        dtypes = sorted({str(v.dtype) for v in state.values() if v.is_floating_point()})
+        out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scale,
+                    sorted(seen.dtypes), dtypes))
+    return out
+
+
+class _MatmulDtypes:
+    """The dtypes of the floating operands of every matrix product run inside it."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        names = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                 aten.linear.default, aten.matmul.default}
+        seen = self.dtypes = set()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in names:
+                    seen.update(str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+                return func(*args, **(kwargs or {}))
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

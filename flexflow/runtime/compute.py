@@ -24,7 +24,7 @@ def compile_program(plan: Plan) -> None:
     """Every step's parameter readers, and its compiled function (:func:`compile_step`)."""
     for step in plan.program:
         if step.part is not None and not step.everywhere:
-            step.param_readers = tuple((local, _param_reader(qual, reshape_to, region))
+            step.param_readers = tuple((local, _param_reader(qual, reshape_to, region, plan.params_cast))
                                        for local, qual, reshape_to, region in step.params)
     for step in plan.program:
         step.run = compile_step(plan, step)
@@ -147,17 +147,20 @@ class _Stacked:
         return self.stack()[idx]
 
 
-def _param_reader(qual: str, reshape_to, region):
+def _param_reader(qual: str, reshape_to, region, cast=None):
     """pvals -> what a partition reads of parameter ``qual``: the tensor, reshaped to the
-    op's view, then its region (see ``Plan._param_access``)."""
-    if reshape_to is None and region is None:
+    op's view, then its region (see ``Plan._param_access``); floating ones cast to ``cast``
+    where given (``bf16-params``: after the gradient gate, so that gradients reach it, and
+    are reduced, in the parameter's own dtype)."""
+    if reshape_to is None and region is None and cast is None:
         return operator.itemgetter(qual)
 
     def read(pvals):
         t = pvals[qual]
         if reshape_to is not None:
             t = t.reshape(reshape_to)
-        return t if region is None else t[region]
+        t = t if region is None else t[region]
+        return t.to(cast) if cast is not None and t.is_floating_point() else t
     return read
 
 

@@ -126,7 +126,7 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         with ``finish``, the outputs."""
         try:
             with contextlib.ExitStack() as stack:
-                if self.precision.mixed:  # every op as under torch.autocast in one process
+                if self.precision.mixed and self.precision.autocast_lists:  # as under torch.autocast in one process
                     stack.enter_context(torch.autocast(self.device.type, dtype=self.precision.compute))
                 if self.recomputed and torch.is_grad_enabled():  # readers save recipes of their outputs
                     self._rc_begin_forward()
@@ -153,6 +153,8 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 raise ExecutorError(f"input {op.name!r} has shape {tuple(x.shape)} but the model was traced "
                                     f"(example_inputs) with {tuple(op.output_shape)}; the graph has fixed shapes")
             vals[op.name] = x if x.device == self.device else x.to(self.device)
+            if self.params_cast is not None and x.is_floating_point():  # (bf16-params: as FSDP2 casts inputs)
+                vals[op.name] = vals[op.name].to(self.params_cast)
         state["vals"] = vals
         pvals: dict[str, torch.Tensor] = dict(self.params)
         pvals.update(self.buffers)
@@ -191,7 +193,10 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 continue
             if step.everywhere:
                 if op.kind == "constant":
-                    vals[op.name] = constant_value_of(op, self.module).to(self.device)
+                    v = constant_value_of(op, self.module).to(self.device)
+                    # (bf16-params: a module's floating constants, rotary tables, in bfloat16 as well)
+                    vals[op.name] = v.to(self.params_cast) if self.params_cast is not None and \
+                        v.is_floating_point() else v
                 elif op.kind != "input":
                     ins = [None if r is None else vals[s][r] for s, r in zip(op.inputs, step.part.inputs)]
                     vals[op.name] = RULES[op.rule].compute(op, step.part.block, ins, {})

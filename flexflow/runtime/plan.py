@@ -75,7 +75,7 @@ class ExecutorError(RuntimeError):
 # the parameters, gradients and optimizer state in float32 (messages between ranks in the
 # compute dtype where autocast surely computes them so); float16's loss scaling is the
 # training loop's (torch's ShardedGradScaler agrees on skipped steps across the ranks)
-RUN_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+RUN_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-params")
 
 
 # rules that keep their floating inputs' dtype when they hold no parameter (elementwise, layout)
@@ -100,10 +100,6 @@ def lowered_outputs(graph: OpGraph) -> set:
 
 
 def _precision_error(precision) -> str:
-    if precision == "bf16-params":
-        return ("precision 'bf16-params' is planned and simulated, not run by flexflow's runtime: run the "
-                "plan with torch's engines (plan.parallelize_fn() applies FSDP2's MixedPrecisionPolicy), or "
-                "run precision='bf16-mixed' here")
     if precision == "bf16-true":
         return ("precision 'bf16-true' is the module in bfloat16: convert it (module.to(torch.bfloat16)) "
                 "and parallelize it with precision='32-true' (its own dtypes)")
@@ -221,6 +217,8 @@ class Plan(SharedInputs):
         if precision not in RUN_PRECISIONS:
             raise ExecutorError(_precision_error(precision))
         self.precision = PRECISIONS[precision]
+        # bf16-params: parameters (and floating inputs) cast to this for compute, no autocast
+        self.params_cast = None if self.precision.autocast_lists or not self.precision.mixed else self.precision.compute
         self.ranks = [int(r) for r in ranks]  # device k of the strategy -> global rank
         self.rank, self.world = int(rank), int(world)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -340,7 +338,11 @@ class Plan(SharedInputs):
         producer computed.  Partial sums travel in the traced dtype (one process rounds
         the whole sum once)."""
         pr = self.precision
-        if not pr.mixed or partial or not prod.dtype.is_floating_point:
+        if not pr.mixed or not prod.dtype.is_floating_point:
+            return prod.dtype
+        if not pr.autocast_lists:  # bf16-params: every activation in the compute dtype
+            return pr.compute
+        if partial:
             return prod.dtype
         lowered = self.__dict__.get("_lowered")
         if lowered is None:

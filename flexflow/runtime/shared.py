@@ -59,7 +59,7 @@ class SharedInputs:
         if not groups:
             return
         cops = None
-        if self.precision.mixed:
+        if self.precision.mixed and self.precision.autocast_lists:  # (bf16-params: inputs already cast)
             prec = as_precision(self.precision, where=self.device)
             cops = dict(zip((op.name for op in g.ops), priced_ops(g, prec)))
         for src, rs in groups:
