@@ -136,7 +136,7 @@ def params16(rank: int, name: str, batch: int, specs) -> list:
     """bf16-params on the world for each strategy spec against one process casting its
     parameters (SGD steps): (spec, loss relative errors, the parameters' relative error,
     float32 training's parameters' relative distance from the reference, the dtypes the
-    forward's matrix products read, the parameters' dtypes after training)."""
+    forward's matrix products read, the parameters' dtypes after training, the loss's dtype)."""
     torch.set_num_threads(1)
     module, example = build(name, batch)
     init = copy.deepcopy(module.state_dict())
@@ -155,12 +155,12 @@ def params16(rank: int, name: str, batch: int, specs) -> list:
         par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="bf16-params")
         losses = _loop(par, batch, False)
         with _MatmulDtypes() as seen:  # what the forward's matrix products read
-            par(*batch_for(module, batch, 0))
+            loss_dtype = str(par(*batch_for(module, batch, 0)).dtype)
         state = par.state_dict()
         whole = _norm([state[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
         dtypes = sorted({str(v.dtype) for v in state.values() if v.is_floating_point()})
         out.append((spec, [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)], whole, scale,
-                    sorted(seen.dtypes), dtypes))
+                    sorted(seen.dtypes), dtypes, loss_dtype))
     return out
 
 

@@ -61,10 +61,12 @@ def test_bf16_params_trains_as_one_process_casting_its_parameters(name, specs):
     where ops read them, after the gradient gate; inputs, constants and messages bfloat16;
     sharded regions gathered in bfloat16) against one process that casts its parameters as
     FSDP2's MixedPrecisionPolicy does; float32 parameters, gradients and state."""
-    for spec, loss_errs, err, scale, matmuls, dtypes in launch(W.params16, 2, name, 8, specs, timeout_s=180)[0]:
+    for spec, loss_errs, err, scale, matmuls, dtypes, loss_dtype in launch(W.params16, 2, name, 8, specs,
+                                                                           timeout_s=180)[0]:
         assert max(loss_errs) <= 0.008, (spec, loss_errs)  # at most one bfloat16 step of the (bf16) loss
         # the parameters after 3 SGD steps: within bfloat16 rounding of the reference (float32
         # training lands as far from it: rounding differences grow alike over the steps)
         assert err < 1e-3 and err < 2 * scale, (spec, err, scale)
         assert matmuls == ["torch.bfloat16"], (spec, matmuls)  # every product of the forward in bfloat16
         assert dtypes == ["torch.float32"], (spec, dtypes)
+        assert loss_dtype == "torch.float32", (spec, loss_dtype)  # returned (and summed) in its traced dtype

@@ -121,8 +121,8 @@ class _OutputFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, out: _Output, token, x):
         ctx.rt, ctx.out = rt, out
-        if out.whole:
-            full = _wire(x).clone()
+        if out.whole:  # (in the traced dtype: a bf16-params loss is returned, and summed, in float32)
+            full = _wire(x).to(_wire_dtype(out.dtype), copy=True)
         else:
             full = torch.zeros(out.shape, dtype=_wire_dtype(out.dtype), device=rt.device)
             if out.region is not None:
