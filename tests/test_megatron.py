@@ -135,13 +135,19 @@ def test_reduction_split_stays_out_of_the_search_candidates():
 
 # --------------------------------------------------------------------------- 2 ranks
 def _worker(rank: int, cases):
-    return [_case(rank, which, tp) for which, tp in cases]
+    return [_case(rank, *case) for case in cases]
 
 
-def _case(rank: int, which: str, tp: int):
+def _llama(batch=4):
+    m, x = ff.models.get("llama", size="small", batch_size=batch)
+    return m, x, ff.trace(m, x)
+
+
+def _case(rank: int, which: str, tp: int, cp: int = 1):
     from _dist_workers import _rel_err, _train  # the executor tests' SGD loop and error
+    import torch.distributed as dist
     torch.set_num_threads(1)
-    m, x, g = (_transformer if which == "transformer" else _decoder)(batch=4)
+    m, x, g = {"transformer": _transformer, "decoder": _decoder, "llama": _llama}[which](batch=4)
     init = copy.deepcopy(m.state_dict())
     ref_losses = ref_state = None
     if rank == 0:
@@ -149,8 +155,9 @@ def _case(rank: int, which: str, tp: int):
         ref_losses = _train(ref, ref, 4)
         ref_state = ref.state_dict()
     m.load_state_dict(init)
-    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=2), tp=tp)
-    par = ff.parallelize(m, 2, example_inputs=x, strategy=s)
+    world = dist.get_world_size()
+    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=world), tp=tp, cp=cp)
+    par = ff.parallelize(m, world, example_inputs=x, strategy=s)
     losses = _train(par, m, 4)
     out = {"losses": losses, "exchanges": par.runtime.num_exchanges}
     state = par.state_dict()  # (a collective: every rank)
@@ -167,3 +174,44 @@ def test_megatron_trains_equal_to_one_process_on_2_ranks():
     for case, a, b in zip(cases, r0, r1):
         assert a["losses"] == b["losses"] and a["exchanges"] > 0, case
         assert a["loss_err"] < 1e-5 and a["param_err"] < 1e-5, (case, a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,cases", [
+    (2, [("decoder", 1, 2), ("llama", 1, 2)]),
+    (4, [("decoder", 2, 2), ("llama", 2, 2), ("llama", 1, 4)]),
+])
+def test_context_parallelism_trains_equal_to_one_process(world, cases):
+    """megatron(cp=c): every op split along the tokens c ways besides tensor parallelism, the
+    causal attention by its query rows, each chunk receiving the keys and values before it;
+    4 SGD steps equal one process (float32)."""
+    res = launch(_worker, world, cases, timeout_s=240)
+    for k, case in enumerate(cases):
+        a = res[0][k]
+        assert all(r[k]["losses"] == a["losses"] for r in res) and a["exchanges"] > 0, case
+        assert a["loss_err"] < 1e-5 and a["param_err"] < 1e-5, (case, a)
+
+
+def test_context_parallelism_splits_the_attention_by_query_rows():
+    m, x, g = _llama(batch=2)
+    mach = ff.Machine.preset("h100-cluster", devices=8)
+    s = ff.Strategy.megatron(g, mach, tp=2, cp=2)
+    attn = next(op for op in g.compute_ops if op.rule == "attention")
+    assert dict(s[attn.name].degrees) == {"n": 2, "h": 2, "l": 2}
+    norm = next(op for op in g.compute_ops if op.kind == "rms_norm")
+    assert dict(s[norm.name].degrees) == {"n": 2, "s": 4}  # tokens by tp (sequence parallel) x cp
+    with torch.no_grad():
+        assert torch.allclose(run_graph(g, m, x, s), m(*x), rtol=1e-5, atol=1e-6)
+    # the later chunk of a causal attention reads the keys before it and computes the most
+    from flexflow.strategy.regions import partitions
+    from flexflow.graph.ops import RULES
+    parts = partitions(attn, s[attn.name])
+    T = attn.output_shape[2]
+    first = next(p for p in parts if p.block["l"] == (0, T // 2))
+    later = next(p for p in parts if p.block["l"] == (T // 2, T))
+    assert first.inputs[1][2] == slice(0, T // 2) and later.inputs[1][2] == slice(0, T)
+    f0, f1 = (RULES["attention"].flops(attn, p.block) for p in (first, later))
+    assert f1 == 3 * f0  # the causal triangle: 1/4 and 3/4 of the op's count
+    assert s.name == "megatron_cp2"
+    with pytest.raises(StrategyError, match="does not divide"):
+        ff.Strategy.megatron(g, mach, tp=2, cp=3)

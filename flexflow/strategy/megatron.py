@@ -173,14 +173,18 @@ def _axis_tags(graph: OpGraph, firsts: dict[str, object]) -> dict[str, dict[str,
     return dim_tags
 
 
-def _config(op: Op, want: dict[str, int], tp: int, batch: int | None) -> ParallelConfig | None:
+def _config(op: Op, want: dict[str, int], tp: int, batch: int | None,
+            strides: dict[str, int] | None = None) -> ParallelConfig | None:
     """``want`` (dim -> degree, ``n`` the data-parallel degree, the other the tensor-
     parallel one) as a config, partition on device node * tp + rank in its group; None when
-    the op lacks a dim or one is too small."""
+    the op lacks a dim or one is too small.  ``strides`` (dim -> device stride) places the
+    blocks otherwise: device = sum of block index x stride (``n`` and ``d0`` by their own)."""
     dims = {d.name: d for d in op.dims}
     first = op.dims[0] if op.dims else None
     if "n" not in dims and first is not None and first.name == "d0" and first.axis == 0 and first.size == batch:
         want = {("d0" if k == "n" else k): v for k, v in want.items()}  # a batch axis not named so
+        if strides and "n" in strides:
+            strides = {("d0" if k == "n" else k): v for k, v in strides.items()}
     want = {k: v for k, v in want.items() if v > 1}
     if any(k not in dims or dims[k].blocks < v for k, v in want.items()):
         return None
@@ -188,15 +192,23 @@ def _config(op: Op, want: dict[str, int], tp: int, batch: int | None) -> Paralle
     devices = []
     for idx in itertools.product(*(range(want[k]) for k in order)):
         at = dict(zip(order, idx))
-        devices.append(at.get("n", at.get("d0", 0)) * tp + sum(v for k, v in at.items() if k not in ("n", "d0")))
+        if strides is not None:
+            devices.append(sum(v * strides.get(k, 1) for k, v in at.items()))
+        else:
+            devices.append(at.get("n", at.get("d0", 0)) * tp + sum(v for k, v in at.items() if k not in ("n", "d0")))
     return ParallelConfig(want, devices)
 
 
 def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
-                     fallback: dict[str, ParallelConfig]) -> dict[str, ParallelConfig]:
+                     fallback: dict[str, ParallelConfig], cp: int = 1) -> dict[str, ParallelConfig]:
     """Op name -> config of the Megatron plan (see the module's docstring); ``fallback``:
     the data-parallel config of each op, for ops that have no dim to split as the plan
-    says."""
+    says.  ``cp > 1``: context parallelism, every op split along the tokens ``cp`` ways
+    besides (device ``t + tp * (c + cp * d)``: tensor rank t of sequence chunk c of
+    replica d), a causal attention by its query rows (each chunk reading the keys and
+    values before it)."""
+    if cp > 1:
+        return _context_configs(graph, num_devices, tp, cp, shard, fallback)
     dp = num_devices // tp
     pairs = linear_pairs(graph)
     firsts = {f: k for k, (fs, _, _) in enumerate(pairs) for f in fs}
@@ -232,6 +244,47 @@ def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
                 break
         if cfg is None:
             cfg = fallback[op.name]
+        if shard and all(graph.op(m).params and has_param_replicas(graph.op(m), cfg) for m in members):
+            cfg = cfg.with_shard(shard)
+        configs[op.name] = cfg
+    return configs
+
+
+def _context_configs(graph: OpGraph, num_devices: int, tp: int, cp: int, shard: int,
+                     fallback: dict[str, ParallelConfig]) -> dict[str, ParallelConfig]:
+    """:func:`megatron_configs` with context parallelism (``cp`` sequence chunks): each op's
+    tensor-parallel split as there, and its token dim split ``cp`` ways besides (an op the
+    plan splits along the tokens by ``tp`` already: ``tp * cp`` ways, chunk-major)."""
+    dp = num_devices // (tp * cp)
+    flat = megatron_configs(graph, num_devices // cp, tp, 0, fallback)
+    tags = _axis_tags(graph, {f: k for k, (fs, _, _) in enumerate(linear_pairs(graph)) for f in fs})
+    configs: dict[str, ParallelConfig] = {}
+    for members in graph.groups.values():
+        op = graph.op(members[0])
+        t = tags.get(op.name, {})
+        tokens = next((d for d, tag in t.items() if tag == TOKENS), None)
+        base = flat[op.name]
+        want = {k: v for k, v in base.degrees.items()}
+        batch_key = "n" if "n" in want or "n" in {d.name for d in op.dims} else "d0"
+        have_dp = want.get(batch_key, 1) == dp
+        cfg = None
+        if tokens is not None and have_dp:
+            tensor = [k for k in want if k != batch_key]
+            strides = {batch_key: tp * cp}
+            if tokens in tensor:  # split along the tokens by tp already (sequence parallelism)
+                want[tokens] *= cp
+                strides[tokens] = 1
+            else:
+                want[tokens] = cp
+                strides[tokens] = tp
+                for k in tensor:
+                    strides[k] = 1
+            cfg = _config(op, want, tp, graph.batch_size, strides)
+        if cfg is None:  # no token dim: as the data-parallel replicas, whole in each chunk group
+            cfg = _config(op, {batch_key: dp}, tp, graph.batch_size, {batch_key: tp * cp}) \
+                if dp > 1 else ParallelConfig({}, (0,))
+            if cfg is None:
+                cfg = fallback[op.name]
         if shard and all(graph.op(m).params and has_param_replicas(graph.op(m), cfg) for m in members):
             cfg = cfg.with_shard(shard)
         configs[op.name] = cfg

@@ -257,32 +257,40 @@ class Strategy(Mapping):
         the last with the last), chunk c on stage ``c % pp``; the step's batch is cut into
         ``microbatches`` run under ``schedule``.  Each op's degrees split one micro-batch.
 
+        ``cp > 1`` adds context parallelism: every op also split along the tokens ``cp``
+        ways (device ``t + tp * (c + cp * d)``: tensor rank t of sequence chunk c), a causal
+        attention by its query rows, each chunk reading the keys and values before it (in
+        contiguous chunks: the last chunk computes the most).
+
         The ops between a tensor-parallel pair's layers split along the tokens already
         (Megatron's sequence parallelism, ``sequence_parallel=True``); keeping them whole in
-        the group (``False``) and context parallelism (``cp > 1``) are not offered yet: a
-        :class:`StrategyError` says so."""
-        if cp != 1:
-            raise StrategyError(f"cp={cp!r}: context parallelism (attention split along the sequence) is not in "
-                                "the space yet; use tp, pp and the data-parallel degree")
+        the group (``False``) is not offered: a :class:`StrategyError` says so."""
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise StrategyError(f"cp must be a positive int, got {cp!r}")
         if sequence_parallel is not True:
             raise StrategyError("sequence_parallel=False: megatron splits the ops between a tensor-parallel "
                                 "pair's layers along the tokens (sequence parallelism); keeping them whole in the "
                                 "group is not offered")
         D = machine.num_devices
         if pp != 1 or microbatches != 1 or interleave != 1:
-            return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave)
+            return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp)
         if tp is None:
-            tp = math.gcd(D, getattr(machine, "devices_per_node", D))
+            tp = math.gcd(D // cp if D % cp == 0 else D, getattr(machine, "devices_per_node", D))
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or D % tp:
             raise StrategyError(f"tp must be a positive int that divides the machine's {D} devices, got {tp!r}")
         if shard not in SHARD_LEVELS:
             raise StrategyError(f"shard must be one of {SHARD_LEVELS}, got {shard!r}")
-        if graph.batch_size is not None and D // tp > graph.batch_size:
-            raise StrategyError(f"megatron with tp={tp} on {D} devices splits the samples {D // tp} ways, "
-                                f"more than the batch of {graph.batch_size}: raise tp or the batch")
+        if D % (tp * cp):
+            raise StrategyError(f"tp={tp} x cp={cp} does not divide the machine's {D} devices")
+        if graph.batch_size is not None and D // (tp * cp) > graph.batch_size:
+            raise StrategyError(f"megatron with tp={tp}, cp={cp} on {D} devices splits the samples "
+                                f"{D // (tp * cp)} ways, more than the batch of {graph.batch_size}: raise tp, cp "
+                                "or the batch")
         dp = cls.data_parallel(graph, machine)
-        configs = megatron_configs(graph, D, tp, shard, dp)
+        configs = megatron_configs(graph, D, tp, shard, dp, cp=cp)
         name = "megatron" if not shard else "fsdp_tp" if shard == 3 else f"megatron_z{shard}"
+        if cp > 1:
+            name += f"_cp{cp}"
         return cls(graph, configs, machine, name=name)
 
     @classmethod
@@ -360,7 +368,7 @@ def _pipeline_args(p) -> dict:
     return {"microbatches": p.get("microbatches", 1), "schedule": p.get("schedule", "1f1b")}
 
 
-def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave) -> "Strategy":
+def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp=1) -> "Strategy":
     D = machine.num_devices
     for k, v in (("pp", pp), ("interleave", interleave)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -372,16 +380,17 @@ def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, int
     sub = machine.with_devices(D // pp)
     per_mb = graph.batch_size // microbatches if graph.batch_size and microbatches >= 1 else None
     if tp is None:
-        tp = math.gcd(D // pp, getattr(machine, "devices_per_node", D))
-    if per_mb is not None and isinstance(tp, int) and tp >= 1 and (D // pp) % tp == 0 and D // pp // tp > per_mb:
+        tp = math.gcd(D // pp // cp if (D // pp) % cp == 0 else D // pp, getattr(machine, "devices_per_node", D))
+    mp = tp * cp if isinstance(tp, int) and isinstance(cp, int) else tp
+    if per_mb is not None and isinstance(tp, int) and tp >= 1 and (D // pp) % mp == 0 and D // pp // mp > per_mb:
         raise StrategyError(f"megatron with tp={tp}, pp={pp} on {D} devices splits each micro-batch "
-                            f"{D // pp // tp} ways, more than its {per_mb} samples: raise tp or pp, or "
+                            f"{D // pp // mp} ways, more than its {per_mb} samples: raise tp or pp, or "
                             "use fewer micro-batches")
     # the plan of one micro-batch (each op's degrees split a micro-batch); same op names
     micro = microbatch_graph(graph, microbatches) if isinstance(microbatches, int) and microbatches > 1 \
         and graph.batch_size and graph.batch_size % microbatches == 0 and graph.module is not None else graph
-    flat = cls.megatron(micro, sub, tp=tp, shard=shard)
-    configs = stage_configs(graph, dict(flat._configs), pp, interleave, D // pp, tp)
+    flat = cls.megatron(micro, sub, tp=tp, shard=shard, cp=cp)
+    configs = stage_configs(graph, dict(flat._configs), pp, interleave, D // pp, tp * cp)
     name = f"megatron_pp{pp}" if not shard else f"fsdp_tp_pp{pp}" if shard == 3 else f"megatron_z{shard}_pp{pp}"
     return cls(graph, configs, machine, name=name, pipeline={"microbatches": microbatches, "schedule": schedule})
 
