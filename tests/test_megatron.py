@@ -215,3 +215,11 @@ def test_context_parallelism_splits_the_attention_by_query_rows():
     assert s.name == "megatron_cp2"
     with pytest.raises(StrategyError, match="does not divide"):
         ff.Strategy.megatron(g, mach, tp=2, cp=3)
+    # one long sequence (a batch of one: its tokens stay splittable attributes)
+    m1, x1, g1 = _llama(batch=1)
+    assert g1.batch_size == 1 and all(op.sample_dim is None for op in g1.compute_ops)
+    s1 = ff.Strategy.megatron(g1, mach, tp=2, cp=4)
+    attn1 = next(op for op in g1.compute_ops if op.rule == "attention")
+    assert dict(s1[attn1.name].degrees) == {"h": 2, "l": 4} and len(s1.devices_used()) == 8
+    with torch.no_grad():
+        assert torch.allclose(run_graph(g1, m1, x1, s1), m1(*x1), rtol=1e-5, atol=1e-6)

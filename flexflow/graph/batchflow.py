@@ -284,6 +284,10 @@ def settle_batch(ops: list[Op], root, batch_dim=None) -> tuple[int | None, dict[
         d = op.__dict__.pop("_carry", None)
         if op.rule == "opaque":
             d = op.sample_dim
+        if batch == 1:  # a batch of one splits nothing: no dim is its (the tokens stay attributes)
+            op.dims = [Dim("d0" if x.name == "n" else x.name, "attribute", x.axis, x.size) if x.kind == "sample"
+                       else x for x in op.dims]
+            continue
         if op.sample_dim is None and d is None and op.name not in reasons and not op.output_shape:
             reasons[op.name] = "its output is a scalar (nothing to split)"
         if op.sample_dim is None and d is None and op.name not in reasons:
