@@ -32,6 +32,8 @@ BENCHMARKS = {
     "loss_split": ("benchmarks/loss_split.py", [], ["--blocks", "2", "--steps", "5"]),
     "soak": ("benchmarks/soak.py", ["--runs", "100"], ["--runs", "8"]),
     "search_quality": ("benchmarks/search_quality.py", [], ["--quick"]),
+    "long_context": ("benchmarks/long_context.py", [], ["--budget", "20"]),
+    "native": ("benchmarks/native.py", [], ["--quick"]),
     "inception_case_study": ("examples/inception_case_study.py",
                              ["--budget", "120", "--out", "benchmarks/results/inception_case_study.md"],
                              ["--budget", "20", "--out", "benchmarks/results/inception_case_study.md"]),

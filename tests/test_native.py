@@ -51,6 +51,8 @@ def test_a_plan_off_the_mesh_names_the_first_op_that_does_not_map():
         ff.plan(module, machine, inputs, strategy=ff.Strategy.random(graph, machine, 0)).native()
     with pytest.raises(StrategyError, match="shard level 1"):
         ff.plan(module, machine, inputs, strategy=ff.Strategy.zero(graph, machine, 1)).native()
+    with pytest.raises(StrategyError, match="query rows \\(context parallelism\\)"):
+        ff.plan(module, machine, inputs, strategy=ff.Strategy.megatron(graph, machine, tp=2, cp=2)).native()
     with pytest.raises(StrategyError, match="replicate \\(DDP\\) takes a 1-D mesh"):
         ff.plan(module, machine, inputs, strategy=ff.Strategy.megatron(graph, machine, tp=2)).native()
 

@@ -44,6 +44,13 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     groups, group_of = _stage_groups(graph, strategy, pipe)
     D = len(groups[0])
     ops = graph.compute_ops
+    for op in ops:
+        _check_devices(op, strategy[op.name], groups[group_of[op.name]], D, pipe)
+    for op in ops:
+        if op.rule == "attention" and strategy[op.name].degrees.get("l", 1) > 1:
+            raise StrategyError(f"{op.describe()}: splits its query rows (context parallelism), which "
+                                "native() does not map to torch's context_parallel yet: run the plan with "
+                                "flexflow.parallelize")
     dp = tp = None
     shard = None
     styles: dict[str, str] = {}
@@ -54,10 +61,6 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     for op in ops:
         cfg = strategy[op.name]
         group = groups[group_of[op.name]]
-        if tuple(cfg.devices) != tuple(group):
-            where = f"the whole mesh of {D}" if pipe is None else f"its stage's devices {list(group)}"
-            raise StrategyError(f"{op.describe()}: runs on devices {list(cfg.devices)}, not on {where}: torch's "
-                                "engines place every module on every rank of its mesh")
         local = {dev: i for i, dev in enumerate(group)}
         d = op.sample_dim
         op_dp = cfg.degrees.get(d.name, 1) if d is not None else 1
@@ -159,6 +162,13 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
         "autocast": "bfloat16" if precision in ("bf16-mixed", "16-mixed") else None,
         "pipeline": pipeline,
     }
+
+
+def _check_devices(op, cfg, group, D: int, pipe) -> None:
+    if sorted(cfg.devices) != list(group):  # (the order: _check_order)
+        where = f"the whole mesh of {D}" if pipe is None else f"its stage's devices {list(group)}"
+        raise StrategyError(f"{op.describe()}: runs on devices {list(cfg.devices)}, not on {where}: torch's "
+                            "engines place every module on every rank of its mesh")
 
 
 def _stage_groups(graph: OpGraph, strategy, pipe) -> tuple[list[list[int]], dict[str, int]]:

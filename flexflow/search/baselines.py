@@ -1,8 +1,9 @@
 """The baselines a search is compared with: data parallel, model parallel, expert, OptCNN,
 ZeRO-1, ZeRO-2 and FSDP (data parallelism with every replicated parameter at shard level 1,
 2, 3) where the graph has parameters to shard, and Megatron's tensor parallelism (``megatron``; with ``shard`` also the
-2-D FSDP x TP plan, ``fsdp_tp``) where it has pairs of linear layers to split, and
-3-D plans with pipeline stages (``megatron_ppP``) where the machine spans nodes too."""
+2-D FSDP x TP plan, ``fsdp_tp``) where it has pairs of linear layers to split,
+3-D plans with pipeline stages (``megatron_ppP``) where the machine spans nodes too, and
+FSDP x TP with context parallelism (``fsdp_tp_cpC``) where sequences are long."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,11 @@ from ..strategy.strategy import Strategy
 from .common import Candidates
 from .optcnn import optcnn
 
-__all__ = ["MEMORY_BASELINES", "baseline_strategies", "memory_baselines", "pipeline_baselines"]
+__all__ = ["MEMORY_BASELINES", "baseline_strategies", "context_baselines", "memory_baselines",
+           "pipeline_baselines"]
+
+# a sequence at least this long gets the context-parallel baselines
+LONG_SEQUENCE = 8192
 
 # the baselines simulated only where data parallelism does not fit (see ``mcmc.search``)
 MEMORY_BASELINES = ("zero1", "zero2", "fsdp", "megatron", "fsdp_tp")
@@ -58,7 +63,35 @@ def memory_baselines(graph: OpGraph, machine, *, shard: bool = True,
         except StrategyError:  # a batch smaller than the data-parallel degree
             out.pop("megatron", None)
         out.update(pipeline_baselines(graph, machine))
+        out.update(context_baselines(graph, machine, shard=shard))
     return {k: s for k, s in out.items() if s != dp}
+
+
+def context_baselines(graph: OpGraph, machine, *, shard: bool = True) -> dict[str, Strategy]:
+    """FSDP x TP with context parallelism (``Strategy.megatron(tp=node, cp=C, shard=3)``, C of
+    2, 4, 8, 16; and the same with every block recomputed, ``..._rc``) where a causal
+    attention reads sequences of at least ``LONG_SEQUENCE`` tokens: the plans of a long-context
+    phase, where the activations of one sequence outgrow a device."""
+    D, dpn, B = machine.num_devices, getattr(machine, "devices_per_node", machine.num_devices), graph.batch_size
+    long = any(op.rule == "attention" and op.attrs.get("is_causal") and op.output_shape[2] >= LONG_SEQUENCE
+               and "l" in op.parallel_dims for op in graph.compute_ops)
+    if not long or D < 2:
+        return {}
+    out = {}
+    for cp in (2, 4, 8, 16):
+        tp = math.gcd(D // cp, dpn) if D % cp == 0 else 0
+        if not tp or D % (tp * cp) or (B is not None and D // (tp * cp) > B):
+            continue
+        try:
+            s = Strategy.megatron(graph, machine, tp=tp, cp=cp, shard=3 if shard else 0)
+        except StrategyError:
+            continue
+        name = f"{'fsdp_tp' if shard else 'megatron'}_cp{cp}"
+        out[name] = s
+        out[name + "_rc"] = s.recompute_blocks()
+    for k, s in out.items():
+        s.name = k
+    return out
 
 
 def pipeline_baselines(graph: OpGraph, machine) -> dict[str, Strategy]:
