@@ -7,7 +7,9 @@ The rows of their Table 1 (REFERENCE.md, "Pipelines and 3-D plans"): GPT models 
 pipeline-parallel degrees, data parallelism over the rest, micro-batch 1, every block
 recomputed, mixed precision.  Each model is built on the ``meta`` device as the zoo's GPT2
 class at their layers, width and heads, with the head's weight its own (Megatron keeps a
-copy of the embedding on the last stage); the plan is ``Strategy.megatron(tp, pp,
+copy of the embedding on the last stage) and the fused q/k/v projection laid out by heads
+as Megatron's is (``qkv="heads"``: a column-parallel split hands each rank its own heads'
+q, k and v); the plan is ``Strategy.megatron(tp, pp,
 microbatches=batch / dp, schedule="interleaved-1f1b", interleave=v)`` with every block
 recomputed, ``precision="bf16-params"`` (16-bit weights and activations, float32 master
 weights and Adam's state, as Megatron's mixed precision keeps them) on the ``a100-cluster``
@@ -68,7 +70,7 @@ def run_row(row) -> dict:
     mb = batch // dp  # micro-batches of one sequence per replica
     with torch.device("meta"):
         module = GPT2(GPT2Config(layers=layers, width=h, heads=heads, vocab=V, seq_len=S, positions=S,
-                                 loss="transposed", tie_embeddings=False))
+                                 loss="transposed", tie_embeddings=False, qkv="heads"))
     # the step's micro-batch: one sequence per data-parallel replica
     inputs = (torch.zeros(batch, S, dtype=torch.long, device="meta"),) * 2
     graph = ff.trace(module, inputs)

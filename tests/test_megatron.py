@@ -223,3 +223,27 @@ def test_context_parallelism_splits_the_attention_by_query_rows():
     assert dict(s1[attn1.name].degrees) == {"h": 2, "l": 4} and len(s1.devices_used()) == 8
     with torch.no_grad():
         assert torch.allclose(run_graph(g1, m1, x1, s1), m1(*x1), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_projection_laid_out_by_heads_splits_without_exchanges():
+    """GPT-2's fused q/k/v projection laid out [q | k | v] makes a column-parallel split
+    cut across q, k and v (their blocks then cross the group); Megatron-LM's layout, each
+    head's q, k, v side by side (``qkv="heads"``), hands each rank its own heads' q, k, v."""
+    from flexflow.models.gpt2 import GPT2, GPT2Config
+    mach = ff.Machine.preset("h100-cluster", devices=4)
+    comm = {}
+    for qkv in ("blocks", "heads"):
+        torch.manual_seed(0)
+        m = GPT2(GPT2Config(layers=2, width=32, heads=4, vocab=64, seq_len=16, positions=16, qkv=qkv))
+        x = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+        g = ff.trace(m, x)
+        s = ff.Strategy.megatron(g, mach, tp=4)
+        with torch.no_grad():
+            assert torch.allclose(run_graph(g, m, x, s), m(*x), rtol=1e-5, atol=1e-6)
+        comm[qkv] = ff.Simulator(g, mach).simulate(s).comm_bytes
+        if qkv == "heads":
+            split = [op for op in g.compute_ops if op.name.startswith("split")]
+            assert split and all(dict(s[op.name].degrees) == {"h": 4} for op in split)
+    assert comm["heads"] < comm["blocks"]
+    with pytest.raises(ValueError, match="qkv must be"):
+        GPT2(GPT2Config(layers=1, width=32, heads=4, vocab=64, seq_len=16, positions=16, qkv="interleaved"))

@@ -38,6 +38,11 @@ class GPT2Config:
     # pipeline that holds the embedding on its first stage and the head on its last keeps
     # a copy of it (Megatron-LM)
     tie_embeddings: bool = True
+    # how the fused projection lays out q, k and v: "blocks" = [q | k | v] (GPT-2's, Hugging
+    # Face's); "heads" = each head's q, k and v side by side (Megatron-LM's), so that a
+    # column-parallel split of the projection by whole heads hands each rank its own heads'
+    # q, k and v (the same model up to a permutation of the weight's rows)
+    qkv: str = "blocks"
 
 
 # size -> (layers, width, heads); "paper" is the 124M model
@@ -60,7 +65,9 @@ def gpt2_config(size: str, seq_len: int | None = None) -> GPT2Config:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.heads, self.width, self.dropout = cfg.heads, cfg.width, cfg.dropout
+        if cfg.qkv not in ("blocks", "heads"):
+            raise ValueError(f"gpt2: qkv must be 'blocks' or 'heads', got {cfg.qkv!r}")
+        self.heads, self.width, self.dropout, self.qkv = cfg.heads, cfg.width, cfg.dropout, cfg.qkv
         self.c_attn = nn.Linear(cfg.width, 3 * cfg.width)  # q, k, v in one product
         self.c_proj = nn.Linear(cfg.width, cfg.width)
         self.resid_drop = nn.Dropout(cfg.dropout) if cfg.dropout else None
@@ -68,10 +75,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, D = x.shape[0], x.shape[1], x.shape[2]
         H = self.heads
-        q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, T, D)
-        q = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, H, D // H).transpose(1, 2)
-        v = v.view(B, T, H, D // H).transpose(1, 2)
+        if self.qkv == "heads":  # (B, T, H, 3 hd): per head q, k, v
+            q, k, v = self.c_attn(x).view(B, T, H, 3 * (D // H)).split(D // H, dim=3)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        else:
+            q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, T, D)
+            q = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, hd)
+            k = k.view(B, T, H, D // H).transpose(1, 2)
+            v = v.view(B, T, H, D // H).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, hd)
         y = self.c_proj(y.transpose(1, 2).reshape(B, T, D))
