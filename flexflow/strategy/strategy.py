@@ -283,9 +283,10 @@ class Strategy(Mapping):
         if D % (tp * cp):
             raise StrategyError(f"tp={tp} x cp={cp} does not divide the machine's {D} devices")
         if graph.batch_size is not None and D // (tp * cp) > graph.batch_size:
-            raise StrategyError(f"megatron with tp={tp}, cp={cp} on {D} devices splits the samples "
-                                f"{D // (tp * cp)} ways, more than the batch of {graph.batch_size}: raise tp, cp "
-                                "or the batch")
+            with_cp = f", cp={cp}" if cp > 1 else ""
+            raise StrategyError(f"megatron with tp={tp}{with_cp} on {D} devices splits the samples "
+                                f"{D // (tp * cp)} ways, more than the batch of {graph.batch_size}: raise tp"
+                                f"{', cp' if cp > 1 else ''} or the batch")
         dp = cls.data_parallel(graph, machine)
         configs = megatron_configs(graph, D, tp, shard, dp, cp=cp)
         name = "megatron" if not shard else "fsdp_tp" if shard == 3 else f"megatron_z{shard}"
