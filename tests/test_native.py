@@ -25,7 +25,11 @@ def test_native_describes_the_mesh_family_as_torchtitan_would():
     tp = d["tensor_parallel"]
     # Megatron's sequence parallelism, as torchtitan writes it: flexflow splits the norms by tokens
     assert d["sequence_parallel"]
-    assert tp["layers.0.attention.wq"] == tp["layers.0.feed_forward.w1"] == "ColwiseParallel(input_layouts=Shard(1))"
+    assert tp["layers.0.attention.wq"] == tp["layers.0.feed_forward.w1"] == "ColwiseParallel()"
+    # the sequence gathered once at the attention's and the MLP's input (their first argument)
+    assert tp["layers.0.attention"] == ("PrepareModuleInput(input_layouts=(Shard(1), None, None), "
+                                        "desired_input_layouts=(Replicate(), None, None), use_local_output=True)")
+    assert tp["layers.0.feed_forward"].startswith("PrepareModuleInput(input_layouts=(Shard(1),),")
     assert tp["layers.0.attention.wo"] == tp["layers.0.feed_forward.w2"] == "RowwiseParallel(output_layouts=Shard(1))"
     assert tp["layers.1.ffn_norm"] == "SequenceParallel()"
     assert tp["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))"
@@ -67,7 +71,7 @@ def test_training_through_torchs_engines_equals_one_process(strategy, world, tp)
         err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
         assert err <= TOL, (strategy, r["losses"], ref)
     if tp > 1:
-        assert res[0]["mesh"]["shape"] == [world // tp, tp] and res[0]["styles"] == 20
+        assert res[0]["mesh"]["shape"] == [world // tp, tp] and res[0]["styles"] == 24
 
 
 @pytest.mark.slow
@@ -146,7 +150,7 @@ def test_native_describes_a_3d_plan_with_its_stages():
     assert t["pipeline_parallel_schedule"] == "1F1B" and t["sequence_parallel"] and t["activation_checkpoint"] == "none"
     assert t["mixed_precision_param"] == "bfloat16" and t["fsdp_reshard_after_forward"] == "always"
     block = d["block_plan"]["layers.*"]
-    assert block["attention_norm"] == "SequenceParallel()" and len(block) == 9
+    assert block["attention_norm"] == "SequenceParallel()" and len(block) == 11
 
 
 def test_a_stage_cut_inside_a_module_or_a_tied_weight_is_refused_in_words():

@@ -5,7 +5,9 @@ residual adds) along the tokens.  In torch's terms that is Megatron's sequence
 parallelism, written as torchtitan writes it: the embedding vocabulary-parallel with its
 output sharded along the sequence, each norm that feeds column-parallel layers
 ``SequenceParallel``, the column-parallel layers gathering the sequence
-(``input_layouts=Shard(seq)``), the row-parallel layers reduce-scattering into it
+(``input_layouts=Shard(seq)``; once at the input of a module whose children they are, an
+attention or an MLP, where its parent's forward shows it), the row-parallel layers
+reduce-scattering into it
 (``output_layouts=Shard(seq)``), and a norm that feeds a module computed whole (the output
 layer) gathering the sequence before it (``PrepareModuleInput``).  The residual stream
 between them is a local sequence shard, so every parameter-free op on it must act token by
@@ -50,6 +52,7 @@ def sequence_parallel_styles(graph: OpGraph, strategy, styles: dict[str, str],
             users.setdefault(i, []).append(op)
     out = {}
     gather_at = None
+    feeds: dict[str, list[str]] = {}  # a sequence-parallel norm -> the column-parallel layers it feeds
     for owner, (op, _) in sorted(token_split.items(), key=lambda kv: where[kv[1][0].name]):
         if gather_at is not None:
             continue  # after the gather: computed whole on each rank of the group
@@ -58,6 +61,7 @@ def sequence_parallel_styles(graph: OpGraph, strategy, styles: dict[str, str],
             out[owner] = f"RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard({a}))"
         elif consumers and all(styles.get(c) == "ColwiseParallel" for c in consumers):
             out[owner] = "SequenceParallel()" if a == 1 else f"SequenceParallel(sequence_dim={a})"
+            feeds[owner] = consumers
         elif not any(c in styles for c in consumers):
             out[owner] = (f"PrepareModuleInput(input_layouts=(Shard({a}),), desired_input_layouts=(Replicate(),), "
                           "use_local_output=True)")
@@ -72,10 +76,65 @@ def sequence_parallel_styles(graph: OpGraph, strategy, styles: dict[str, str],
     for op in ops[:gather_at]:
         if not op.params and op.rule not in _TOKENWISE and _token_split(op, strategy[op.name], a, keys):
             return None
+    gathered = _gather_at_parents(graph.module, feeds, a, out)
     for owner, style in styles.items():
-        out[owner] = (f"ColwiseParallel(input_layouts=Shard({a}))" if style == "ColwiseParallel"
-                      else f"RowwiseParallel(output_layouts=Shard({a}))")
+        if owner in gathered:
+            out[owner] = "ColwiseParallel()"
+        else:
+            out[owner] = (f"ColwiseParallel(input_layouts=Shard({a}))" if style == "ColwiseParallel"
+                          else f"RowwiseParallel(output_layouts=Shard({a}))")
     return out
+
+
+def _gather_at_parents(root, feeds: dict[str, list[str]], a: int, out: dict) -> set[str]:
+    """Where a norm's column-parallel readers are the children of one module that the
+    norm's output is passed to (an attention module, an MLP), gather the sequence once at
+    that module's input (``PrepareModuleInput``, as torchtitan writes it) rather than in
+    each reader: the module's call is read off its parent's forward (torch.fx, its children
+    kept whole).  Adds those styles to ``out``; returns the readers gathered so."""
+    import torch.fx as fx
+    done: set[str] = set()
+    if root is None:
+        return done
+    for norm, readers in feeds.items():
+        parts = [r.split(".") for r in readers]
+        common = []
+        for xs in zip(*parts):
+            if len(set(xs)) != 1:
+                break
+            common.append(xs[0])
+        target = ".".join(common)
+        if len(readers) < 2 or not target or target in readers or target == norm:
+            continue
+        parent, _, child = target.rpartition(".")
+        if norm.rpartition(".")[0] != parent:
+            continue  # the norm is not called beside it
+        try:
+            owner = root.get_submodule(parent) if parent else root
+            kids = {n for n, _ in owner.named_children()}
+
+            class Kids(fx.Tracer):
+                def is_leaf_module(self, m, qualname):
+                    return qualname in kids or super().is_leaf_module(m, qualname)
+            g = Kids().trace(owner)
+        except Exception:  # noqa: BLE001 - not traceable: gather in each reader
+            continue
+        normal = norm.rpartition(".")[2]
+        calls = [n for n in g.nodes if n.op == "call_module" and n.target == child]
+        made = [n for n in g.nodes if n.op == "call_module" and n.target == normal]
+        if len(calls) != 1 or len(made) != 1 or calls[0].kwargs:
+            continue
+        args = calls[0].args
+        at = [i for i, x in enumerate(args) if x is made[0]]
+        if len(at) != 1:
+            continue
+        ins = ", ".join(f"Shard({a})" if i == at[0] else "None" for i in range(len(args)))
+        want = ", ".join("Replicate()" if i == at[0] else "None" for i in range(len(args)))
+        comma = "," if len(args) == 1 else ""
+        out[target] = (f"PrepareModuleInput(input_layouts=({ins}{comma}), desired_input_layouts=({want}{comma}), "
+                       "use_local_output=True)")
+        done |= set(readers)
+    return done
 
 
 def _token_split(op, cfg, a: int, keys: set) -> bool:
