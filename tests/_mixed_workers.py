@@ -38,6 +38,15 @@ def _loop(model, batch: int, autocast: bool, scaler=None, dtype=torch.bfloat16) 
     return losses
 
 
+def _trained(module, example, graph, init, batch: int, specs, precision: str):
+    """(spec, parallel module, its losses) for each strategy spec, trained from ``init``."""
+    for spec in specs:
+        module.load_state_dict(init)
+        strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
+        par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision=precision)
+        yield spec, par, _loop(par, batch, False)
+
+
 def _norm(ts) -> float:
     return float(torch.stack([t.double().norm() for t in ts]).norm())
 
@@ -58,11 +67,7 @@ def mixed(rank: int, name: str, batch: int, specs) -> list:
     scale = abs(first32 - ref_losses[0]) / abs(ref_losses[0])  # float32 against autocast, first step
     graph = ff.trace(module, example)
     out = []
-    for spec in specs:
-        module.load_state_dict(init)
-        strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
-        par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="bf16-mixed")
-        losses = _loop(par, batch, False)
+    for spec, par, losses in _trained(module, example, graph, init, batch, specs, "bf16-mixed"):
         state = par.state_dict()
         refs = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
         errs = sorted(((float((state[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)), k)
@@ -149,11 +154,7 @@ def params16(rank: int, name: str, batch: int, specs) -> list:
     scale = _norm([state32[k] - v for k, v in refs.items()]) / _norm(list(refs.values()))
     graph = ff.trace(module, example)
     out = []
-    for spec in specs:
-        module.load_state_dict(init)
-        strategy = make_strategy(spec, graph, Machine.preset("cpu", devices=dist.get_world_size()))
-        par = ff.parallelize(module, example_inputs=example, strategy=strategy, precision="bf16-params")
-        losses = _loop(par, batch, False)
+    for spec, par, losses in _trained(module, example, graph, init, batch, specs, "bf16-params"):
         with _MatmulDtypes() as seen:  # what the forward's matrix products read
             loss_dtype = str(par(*batch_for(module, batch, 0)).dtype)
         state = par.state_dict()

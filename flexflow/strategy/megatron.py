@@ -244,9 +244,7 @@ def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
                 break
         if cfg is None:
             cfg = fallback[op.name]
-        if shard and all(graph.op(m).params and has_param_replicas(graph.op(m), cfg) for m in members):
-            cfg = cfg.with_shard(shard)
-        configs[op.name] = cfg
+        configs[op.name] = _with_shard(graph, members, cfg, shard)
     return configs
 
 
@@ -285,7 +283,12 @@ def _context_configs(graph: OpGraph, num_devices: int, tp: int, cp: int, shard: 
                 if dp > 1 else ParallelConfig({}, (0,))
             if cfg is None:
                 cfg = fallback[op.name]
-        if shard and all(graph.op(m).params and has_param_replicas(graph.op(m), cfg) for m in members):
-            cfg = cfg.with_shard(shard)
-        configs[op.name] = cfg
+        configs[op.name] = _with_shard(graph, members, cfg, shard)
     return configs
+
+
+def _with_shard(graph: OpGraph, members, cfg: ParallelConfig, shard: int) -> ParallelConfig:
+    """``cfg`` at shard level ``shard`` where every op of the group has parameter replicas."""
+    if shard and all(graph.op(m).params and has_param_replicas(graph.op(m), cfg) for m in members):
+        return cfg.with_shard(shard)
+    return cfg
