@@ -56,8 +56,10 @@ def parse(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=5, help="linear warmup steps, then cosine to 0 at --steps")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
-                   help="bf16-mixed: compute in bfloat16 (autocast), float32 parameters and AdamW state")
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-params"],
+                   help="bf16-mixed: compute in bfloat16 (autocast), float32 parameters and AdamW state; "
+                        "bf16-params: every parameter cast to bfloat16 for compute (a bfloat16 residual "
+                        "stream, as FSDP2's MixedPrecisionPolicy), float32 parameters and AdamW state")
     p.add_argument("--seed", type=int, default=0, help="weights, data and dropout")
     p.add_argument("--nprocs", type=int, default=2, help="local processes when not under torchrun")
     p.add_argument("--strategy", help="strategy JSON file (default: a resume with as many processes "

@@ -99,12 +99,15 @@ def test_resume_continues_with_the_same_losses(tmp_path, strategy_file):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_trains_and_an_unknown_precision_is_refused(tmp_path, strategy_file):
+def test_bf16_mixed_and_params_train_and_an_unknown_precision_is_refused(tmp_path, strategy_file):
     mixed, _ = _train(tmp_path, "mixed", "--precision", "bf16-mixed", "--steps", "1", "--strategy", strategy_file)
     plain, _ = _train(tmp_path, "plain", "--steps", "1", "--strategy", strategy_file)
     # the same first loss within bfloat16 rounding, not the same bits
     assert math.isclose(mixed["losses"][0], plain["losses"][0], rel_tol=2e-2)
     assert mixed["losses"][0] != plain["losses"][0]
+    params, _ = _train(tmp_path, "params", "--precision", "bf16-params", "--steps", "1", "--strategy", strategy_file)
+    assert math.isclose(params["losses"][0], plain["losses"][0], rel_tol=2e-2)
+    assert params["losses"][0] != plain["losses"][0]
     r = _run(tmp_path, "--precision", "16-mixed", "--steps", "1")
     assert r.returncode != 0 and "16-mixed" in r.stderr
 
