@@ -85,8 +85,9 @@ class _ExchangeFn(torch.autograd.Function):
                 gx = torch.zeros(ex.in_shape, dtype=ex.dtype, device=rt.device)
             if ex.out_shape is not None and g_out is None:
                 g_out = torch.zeros(ex.out_shape, dtype=ex.dtype, device=rt.device)
-            rt._arm_backward()
+            rt._arm_backward(rt.fwd_pos[ex.index])
             works, bufs = rt._bwd_recv.pop(ex.index, None) or rt._post_bwd_recvs(ex)
+            rt._bwd_done.add(ex.index)
             ops = [(True, g_out[p.dst_region].contiguous(), p.src, tag) for p in ex.recvs]
             sent = rt.p2p(ops)  # waited for at the end of the backward
             rt._bwd_sends.append((sent, [t for _, t, _, _ in ops]))

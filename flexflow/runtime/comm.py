@@ -105,13 +105,28 @@ class Comm:
             works, self._sends = [w for ws, _ in self._sends for w in ws], []
             self.wait(works, lambda: "forward sends of the previous step")
 
-    def _post_forward_recvs(self) -> None:
+    def _post_forward_recvs(self, upto: int | None = None) -> None:
+        """Post the forward's receives: those of the exchanges whose reader is at most at
+        program position ``upto`` and not posted yet in this pass (every one left with
+        ``upto`` None: a pipeline's chunks, which post theirs at once)."""
+        if upto is not None:
+            order, k = self.fwd_recv_order, self._recv_next
+            while k < len(order) and order[k][0] <= upto:
+                ex = order[k][1]
+                if ex.index not in self._recv:
+                    self._post_recv(ex)
+                k += 1
+            self._recv_next = k
+            return
         for ex in self.fwd_recv_ex:
             if ex.index not in self._recv:
-                wire = _wire_dtype(ex.dtype)
-                bufs = [torch.empty(p.shape, dtype=wire, device=self.device) for p in ex.recvs]
-                works = self.p2p([(False, b, p.src, 2 * ex.index) for p, b in zip(ex.recvs, bufs)])
-                self._recv[ex.index] = (works, bufs)
+                self._post_recv(ex)
+
+    def _post_recv(self, ex) -> None:
+        wire = _wire_dtype(ex.dtype)
+        bufs = [torch.empty(p.shape, dtype=wire, device=self.device) for p in ex.recvs]
+        works = self.p2p([(False, b, p.src, 2 * ex.index) for p, b in zip(ex.recvs, bufs)])
+        self._recv[ex.index] = (works, bufs)
 
     def _post_sends(self, name: str, x: torch.Tensor) -> None:
         x = x.detach()
@@ -120,16 +135,27 @@ class Comm:
             works = self.p2p(ops)
             self._sends.append((works, [t for _, t, _, _ in ops]))
 
-    def _arm_backward(self) -> None:
+    def _arm_backward(self, pos: int | None = None) -> None:
         """At the first exchange of a backward pass: post every gradient receive
         of this rank, and wait for the gradient sends at the end of the pass."""
-        if self._bwd_armed:
-            return
-        self._bwd_armed = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        for ex in self.bwd_recv_ex:
-            if ex.index not in self._bwd_recv:
-                self._bwd_recv[ex.index] = self._post_bwd_recvs(ex)
+        window = pos is not None and not getattr(self, "defer_waits", False)
+        if not self._bwd_armed:
+            self._bwd_armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if not window:  # (a pipeline's micro-batch: every one at once)
+                for ex in self.bwd_recv_ex:
+                    if ex.index not in self._bwd_recv:
+                        self._bwd_recv[ex.index] = self._post_bwd_recvs(ex)
+                return
+            self._bwd_next, self._bwd_done = 0, set()
+        if window:  # those whose reader is within RECV_AHEAD ops of this backward's position
+            order, k = self.bwd_recv_order, self._bwd_next
+            while k < len(order) and order[k][0] >= pos - self.recv_ahead:
+                ex = order[k][1]
+                if ex.index not in self._bwd_recv and ex.index not in self._bwd_done:
+                    self._bwd_recv[ex.index] = self._post_bwd_recvs(ex)
+                k += 1
+            self._bwd_next = k
 
     def _post_bwd_recvs(self, ex: Exchange):
         bufs = [torch.empty(p.shape, dtype=ex.dtype, device=self.device) for p in ex.sends]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..graph.ir import OpGraph
 from ..graph.ops import RULES
+from ..sim.memory import RECV_AHEAD
 from ..strategy.localrun import constant_value_of, fill_outputs
 from ..strategy.strategy import Strategy
 from . import shutdown
@@ -73,6 +74,15 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         self.defer_waits = False  # a pipeline's driver: messages waited for at the end of its step
         compile_program(self)
         self._recv: dict = {}  # exchange index -> (works, buffers), forward
+        # the forward's receives by their reader's program position, posted RECV_AHEAD ops ahead
+        where = {op.name: i for i, op in enumerate(self.graph.ops)}
+        self.fwd_recv_order = sorted(((where[ex.consumer], ex) for ex in self.fwd_recv_ex), key=lambda t: t[0])
+        self._recv_next = 0
+        # the backward's, by the same positions from the last down (posted RECV_AHEAD ops ahead)
+        self.fwd_pos = {ex.index: where[ex.consumer] for ex in self.exchanges}
+        self.bwd_recv_order = sorted(((where[ex.consumer], ex) for ex in self.bwd_recv_ex), key=lambda t: -t[0])
+        self._bwd_next, self._bwd_done = 0, set()
+        self.recv_ahead = RECV_AHEAD
         self._sends: list = []  # (works, tensors) of this step's forward sends, kept alive until waited
         self._bwd_recv: dict = {}
         self._bwd_sends: list = []
@@ -145,7 +155,8 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         grad = state["grad"] = torch.is_grad_enabled()
         self._riding = grad and self.ride is not None
         self._early = []  # (a backward takes the early rides of the forwards since the last one)
-        self._post_forward_recvs()
+        self._recv_next = 0
+        self._post_forward_recvs(None if self.defer_waits else RECV_AHEAD)
         state["token"] = torch.zeros((), device=self.device, requires_grad=grad) if self.chain_length else None
         vals: dict[str, torch.Tensor] = {}
         for op, x in zip(state["input_ops"], state["tensors"]):
@@ -172,8 +183,11 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         # under torch.profiler each partition's compute is a range named as the
         # simulator names its task ("<op> fwd"), so the two timelines line up
         profiling = torch.autograd.profiler._is_profiler_enabled
+        ahead = not self.defer_waits  # (a pipeline's chunks post theirs at once)
         for pos in range(lo, hi):
             step, free = self.program[pos], self.free_before[pos]
+            if ahead:
+                self._post_forward_recvs(pos + RECV_AHEAD)
             if sharded:
                 if pos:
                     self._gather_after(pos - 1, vals.get(self.program[pos - 1].op.name), grad)

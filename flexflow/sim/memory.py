@@ -78,6 +78,10 @@ from .saves import _saves
 from .sharedmem import SharedReads
 from .unitmem import UnitEvents
 
+# the executor posts a forward receive when the program comes within this many ops of the op
+# that reads it (flexflow.runtime.comm): its buffers live from then to that op's forward
+RECV_AHEAD = 24
+
 __all__ = ["OPTIMIZERS", "UPDATE_TRAFFIC", "optimizer_state_copies", "Liveness"]
 
 # optimizer kind -> optimizer-state copies per trainable parameter
@@ -396,11 +400,12 @@ class Liveness(UnitEvents, RecomputeEvents, SharedReads):
                     and not self.copies(o, j, self._owner[u])
                 end = B if keeps else (self.rc_pos[o] if rc else F)
             if end >= 0:  # (-1: a reader before o received it for both)
-                # the pieces received, then the region they make (partial sums added up)
-                live(F, F, recv)
+                # the pieces received (posted RECV_AHEAD ops ahead), then the region they make
+                # (partial sums added up)
+                live(max(0, F - RECV_AHEAD), F, recv)
                 live(F, end, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0))
-            if rg[u]:
-                live(B, B, recv)
+            if rg[u]:  # (the gradient's pieces: posted RECV_AHEAD ops ahead of o's backward)
+                live(B - RECV_AHEAD if B - RECV_AHEAD > n else n, B, recv)
         ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
         self._ev[key] = ev
         return ev
