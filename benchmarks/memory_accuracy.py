@@ -19,7 +19,11 @@ Training features (the section "Training features"; each rank's MemTracker peak 
 its own device's prediction, the row showing the rank with the largest measured peak):
 - ``bf16-mixed``: the plain module's step with its forward under
   ``torch.autocast("cpu", dtype=torch.bfloat16)`` against
-  ``Simulator(..., precision="bf16-mixed")`` on one ``cpu`` device, sgd and adam;
+  ``Simulator(..., precision="bf16-mixed")`` on one ``cpu`` device, sgd and adam (the
+  simulator models flexflow's executor, whose readers of one tensor share one cast where
+  the plain module under autocast casts it for each: q, k and v);
+- ``bf16-mixed (flexflow)`` and ``bf16-params (flexflow)``: ``flexflow.parallelize`` on one
+  ``cpu`` device under that precision, AdamW;
 - recomputation: ``flexflow.parallelize`` on data parallelism over one ``cpu`` device,
   with ``recompute`` on every linear op, on every activation op (gelu, relu), and on
   nothing (the reference), adam;
@@ -247,6 +251,24 @@ def bf16_case(name: str, optimizer: str) -> dict:
     return _feature_row("bf16-mixed", name, graph, 1, optimizer, [dict(r, predicted_bytes=int(pred))], t0)
 
 
+def bf16_flexflow_case(name: str, precision: str) -> dict:
+    """A ParallelModule on one device under ``precision`` (bf16-mixed: autocast, its readers of
+    one tensor sharing one cast; bf16-params: parameters cast where read), AdamW."""
+    t0 = time.perf_counter()
+    module, inputs, graph = _small(name)
+    m = Machine.preset("cpu", devices=1)
+    s = Strategy.data_parallel(graph, m)
+    pred = Simulator(graph, m, optimizer="adam", reduce_outputs="eager", precision=precision).simulate(
+        s).peak_memory[0]
+    par = ff.parallelize(module, example_inputs=inputs, strategy=s, machine=m, reduce_outputs="eager",
+                         optimizer="adam", precision=precision)
+    step, opt = _parallel_step(par, inputs)
+    r = tracked_step(step, par, opt)
+    del par, opt
+    gc.collect()
+    return _feature_row(f"{precision} (flexflow)", name, graph, 1, "adam", [dict(r, predicted_bytes=int(pred))], t0)
+
+
 def with_recompute(strategy, graph, kinds):
     """``strategy`` with ``recompute`` on every op of these kinds (``BLOCKS``: on every op of
     the repeated blocks, ``Strategy.recompute_blocks``)."""
@@ -336,6 +358,8 @@ def feature_rows(quick: bool, only=None) -> list[dict]:
     for name in pick("bf16", BF16_MODELS):
         for o in ("sgd", "adam"):
             rows.append(bf16_case(name, o))
+        for p in ("bf16-mixed", "bf16-params"):
+            rows.append(bf16_flexflow_case(name, p))
     for name in pick("recompute", RECOMPUTE_MODELS):
         for case in RECOMPUTE:
             r = recompute_case(name, case)
@@ -384,7 +408,10 @@ def feature_lines(features) -> list[str]:
     within = sum(abs(r["error"]) <= 0.10 for r in features)
     lines = ["", "## Training features", "",
              ("bf16-mixed: the plain module's forward under `torch.autocast('cpu', dtype=torch.bfloat16)` "
-              "against `Simulator(..., precision='bf16-mixed')`, one device.  Recomputation: "
+              "against `Simulator(..., precision='bf16-mixed')`, one device (the simulator models flexflow's "
+              "executor, whose readers of one tensor share one bfloat16 cast where the plain module casts it for "
+              "each reader: q, k and v).  bf16-mixed / bf16-params (flexflow): `flexflow.parallelize` on one "
+              "`cpu` device under that precision, AdamW.  Recomputation: "
               "`flexflow.parallelize` on `Strategy.data_parallel` over one `cpu` device with `recompute` on every "
               "linear op, every activation op (gelu, relu) or none.  Shard levels: `Strategy.zero(graph, machine, "
               "1)`, `zero(.., 2)`, `Strategy.fsdp` and data parallelism on 2 gloo processes (`flexflow.launch`), "
