@@ -147,15 +147,15 @@ class Comm:
                     if ex.index not in self._bwd_recv:
                         self._bwd_recv[ex.index] = self._post_bwd_recvs(ex)
                 return
-            self._bwd_next, self._bwd_done = 0, set()
+            self._bwd_recv_next, self._bwd_done = 0, set()
         if window:  # those whose reader is within RECV_AHEAD ops of this backward's position
-            order, k = self.bwd_recv_order, self._bwd_next
+            order, k = self.bwd_recv_order, self._bwd_recv_next
             while k < len(order) and order[k][0] >= pos - self.recv_ahead:
                 ex = order[k][1]
                 if ex.index not in self._bwd_recv and ex.index not in self._bwd_done:
                     self._bwd_recv[ex.index] = self._post_bwd_recvs(ex)
                 k += 1
-            self._bwd_next = k
+            self._bwd_recv_next = k
 
     def _post_bwd_recvs(self, ex: Exchange):
         bufs = [torch.empty(p.shape, dtype=ex.dtype, device=self.device) for p in ex.sends]

@@ -81,7 +81,7 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         # the backward's, by the same positions from the last down (posted RECV_AHEAD ops ahead)
         self.fwd_pos = {ex.index: where[ex.consumer] for ex in self.exchanges}
         self.bwd_recv_order = sorted(((where[ex.consumer], ex) for ex in self.bwd_recv_ex), key=lambda t: -t[0])
-        self._bwd_next, self._bwd_done = 0, set()
+        self._bwd_recv_next, self._bwd_done = 0, set()
         self.recv_ahead = RECV_AHEAD
         self._sends: list = []  # (works, tensors) of this step's forward sends, kept alive until waited
         self._bwd_recv: dict = {}
