@@ -139,14 +139,7 @@ def _worker(rank: int, steps: int, rounds: int):
             runs[f"flexflow:{name}"] = PipeTrainer(flex, lambda flex=flex: flex.forward(*inputs).backward())
         sim = simulator.simulate(s, incremental=False)
         predicted[name] = {"ms": sim.iteration_time * 1000, "peak": max(sim.peak_memory)}
-    peaks = {k: t.peak() for k, t in runs.items()}
-    for t in runs.values():
-        t.steps(2)
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, t in runs.items():
-            dist.barrier()
-            times[k].append(t.steps(steps))
+    peaks, times = sharded.timed_rounds(runs, steps, rounds, warm=2)
     phases = {k: {p: statistics.median(v) * 1000 for p, v in t.phases.items()} for k, t in runs.items()}
     for k, t in runs.items():
         del t.opt

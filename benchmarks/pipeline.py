@@ -199,14 +199,7 @@ def _worker(rank: int, name: str, steps: int, rounds: int):
     share = [x.chunk(world)[rank] for x in inputs]
     ddp = DDP(copy.deepcopy(module))
     runs["torch ddp"] = Trainer(ddp, lambda: ddp(*share).backward())
-    peaks = {k: t.peak() for k, t in runs.items()}
-    for t in runs.values():
-        t.steps(1)
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, t in runs.items():
-            dist.barrier()
-            times[k].append(t.steps(steps))
+    peaks, times = sharded.timed_rounds(runs, steps, rounds, warm=1)
     for k, t in runs.items():
         if k.startswith("flexflow"):
             t.model.runtime.close()

@@ -100,6 +100,22 @@ class Trainer:
         return int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
+def timed_rounds(runs: dict, steps: int, rounds: int, warm: int = 1) -> tuple[dict, dict]:
+    """(MemTracker peak of one step, per-round seconds a step) of each trainer in ``runs``: the
+    peaks first, ``warm`` untimed steps, then ``rounds`` rounds of ``steps`` steps taking the
+    trainers in turn, every rank entering each together (a barrier)."""
+    import torch.distributed as dist
+    peaks = {k: t.peak() for k, t in runs.items()}
+    for t in runs.values():
+        t.steps(warm)
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, t in runs.items():
+            dist.barrier()
+            times[k].append(t.steps(steps))
+    return peaks, times
+
+
 def _fsdp2(module):
     from torch.distributed.fsdp import fully_shard
     m = copy.deepcopy(module)
@@ -148,14 +164,7 @@ def _worker(rank: int, steps: int, rounds: int, budget: float):
     for name, s in strategies.items():  # (the capped plan was made for the capped machine)
         runs[name] = Trainer(ff.parallelize(module, example_inputs=inputs, strategy=s, reduce_outputs="eager",
                                             machine=cap if name == "flexflow_capped" else machine), inputs)
-    peaks = {name: t.peak() for name, t in runs.items()}
-    for t in runs.values():
-        t.steps(2)
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, t in runs.items():
-            dist.barrier()
-            times[k].append(t.steps(steps))
+    peaks, times = timed_rounds(runs, steps, rounds, warm=2)
     out = {"times": times, "peaks": peaks}
     if rank == 0:
         sim = ff.Simulator(graph, machine, optimizer="adam", reduce_outputs="eager")

@@ -88,14 +88,7 @@ def _worker(rank: int, steps: int, rounds: int):
     runs = {"flexflow megatron": sharded.Trainer(pm, inputs),
             "torch tp": sharded.Trainer(_torch_tp(module, world, False), inputs),
             "torch tp+sp": sharded.Trainer(_torch_tp(module, world, True), inputs)}
-    peaks = {k: t.peak() for k, t in runs.items()}
-    for t in runs.values():
-        t.steps(1)
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, t in runs.items():
-            dist.barrier()
-            times[k].append(t.steps(steps))
+    peaks, times = sharded.timed_rounds(runs, steps, rounds, warm=1)
     losses = {k: float(t.step().detach()) for k, t in runs.items()}
     pm.runtime.close()
     return {"times": times, "peaks": peaks, "predicted": predicted, "losses": losses, "machine": machine.name}

@@ -92,10 +92,10 @@ def _gather_at_parents(root, feeds: dict[str, list[str]], a: int, out: dict) -> 
     that module's input (``PrepareModuleInput``, as torchtitan writes it) rather than in
     each reader: the module's call is read off its parent's forward (torch.fx, its children
     kept whole).  Adds those styles to ``out``; returns the readers gathered so."""
-    import torch.fx as fx
     done: set[str] = set()
     if root is None:
         return done
+    traced: dict = {}  # parent FQN -> its forward's graph (a block's norms share it), or None
     for norm, readers in feeds.items():
         parts = [r.split(".") for r in readers]
         common = []
@@ -109,15 +109,10 @@ def _gather_at_parents(root, feeds: dict[str, list[str]], a: int, out: dict) -> 
         parent, _, child = target.rpartition(".")
         if norm.rpartition(".")[0] != parent:
             continue  # the norm is not called beside it
-        try:
-            owner = root.get_submodule(parent) if parent else root
-            kids = {n for n, _ in owner.named_children()}
-
-            class Kids(fx.Tracer):
-                def is_leaf_module(self, m, qualname):
-                    return qualname in kids or super().is_leaf_module(m, qualname)
-            g = Kids().trace(owner)
-        except Exception:  # noqa: BLE001 - not traceable: gather in each reader
+        if parent not in traced:
+            traced[parent] = _children_graph(root, parent)
+        g = traced[parent]
+        if g is None:  # not traceable: gather in each reader
             continue
         normal = norm.rpartition(".")[2]
         calls = [n for n in g.nodes if n.op == "call_module" and n.target == child]
@@ -135,6 +130,21 @@ def _gather_at_parents(root, feeds: dict[str, list[str]], a: int, out: dict) -> 
                        "use_local_output=True)")
         done |= set(readers)
     return done
+
+
+def _children_graph(root, parent: str):
+    """The torch.fx graph of module ``parent``'s forward with its children kept whole, or None."""
+    import torch.fx as fx
+    try:
+        owner = root.get_submodule(parent) if parent else root
+        kids = {n for n, _ in owner.named_children()}
+
+        class Kids(fx.Tracer):
+            def is_leaf_module(self, m, qualname):
+                return qualname in kids or super().is_leaf_module(m, qualname)
+        return Kids().trace(owner)
+    except Exception:  # noqa: BLE001 - any trace failure is the same answer
+        return None
 
 
 def _token_split(op, cfg, a: int, keys: set) -> bool:
