@@ -9,7 +9,11 @@ on every process (one tensor-parallel group, tp = processes), AdamW.  Plans:
 
 - flexflow ``megatron(tp=p)``: attention split by heads, the MLP by hidden units, the rest
   (embedding, norms, residual adds, head and loss) split along the tokens -- Megatron's
-  sequence parallelism -- the transitions as point-to-point exchanges;
+  sequence parallelism -- the transitions an all-gather (its input gathered again for the
+  backward) and a reduce-scatter on 4 processes, point-to-point messages on 2 (a pair's
+  collective is one message each way);
+- flexflow ``megatron(tp=p, sequence_parallel=False)``: the ops between the pairs whole on
+  every process, the row-parallel partial sums all-reduced (point to point on 2);
 - torch TP: ``ColwiseParallel`` on q, k, v, gate and up, ``RowwiseParallel`` on the output and
   down projections; embedding, norms and head replicated;
 - torch TP + SP: the same with ``SequenceParallel`` norms, the embedding and the two row-parallel
@@ -81,16 +85,20 @@ def _worker(rank: int, steps: int, rounds: int):
     graph = ff.trace(module, inputs)
     machine = sharded.host_machine(world)
     sim = ff.Simulator(graph, machine, CostModel.for_machine(machine), optimizer="adam")
-    s = ff.Strategy.megatron(graph, machine, tp=world)
-    r = sim.simulate(s)
-    predicted = {"ms": r.iteration_time * 1e3, "peak": max(r.peak_memory)}
-    pm = ff.parallelize(copy.deepcopy(module), example_inputs=inputs, strategy=s, machine=machine)
-    runs = {"flexflow megatron": sharded.Trainer(pm, inputs),
-            "torch tp": sharded.Trainer(_torch_tp(module, world, False), inputs),
-            "torch tp+sp": sharded.Trainer(_torch_tp(module, world, True), inputs)}
+    plans = {"flexflow megatron": ff.Strategy.megatron(graph, machine, tp=world),
+             "flexflow megatron, no sp": ff.Strategy.megatron(graph, machine, tp=world, sequence_parallel=False)}
+    predicted, pms = {}, {}
+    for k, s in plans.items():
+        r = sim.simulate(s)
+        predicted[k] = {"ms": r.iteration_time * 1e3, "peak": max(r.peak_memory)}
+        pms[k] = ff.parallelize(copy.deepcopy(module), example_inputs=inputs, strategy=s, machine=machine)
+    runs = {k: sharded.Trainer(pm, inputs) for k, pm in pms.items()}
+    runs.update({"torch tp": sharded.Trainer(_torch_tp(module, world, False), inputs),
+                 "torch tp+sp": sharded.Trainer(_torch_tp(module, world, True), inputs)})
     peaks, times = sharded.timed_rounds(runs, steps, rounds, warm=1)
     losses = {k: float(t.step().detach()) for k, t in runs.items()}
-    pm.runtime.close()
+    for pm in pms.values():
+        pm.runtime.close()
     return {"times": times, "peaks": peaks, "predicted": predicted, "losses": losses, "machine": machine.name}
 
 
@@ -99,7 +107,9 @@ def profile(world: int) -> None:
     torch.set_num_threads(1)
     module, inputs = sharded.build()
     graph = ff.trace(module, inputs)
-    profile_graph(graph, "cpu", strategy=ff.Strategy.megatron(graph, sharded.host_machine(world), tp=world))
+    for sp in (True, False):
+        profile_graph(graph, "cpu", strategy=ff.Strategy.megatron(graph, sharded.host_machine(world), tp=world,
+                                                                  sequence_parallel=sp))
 
 
 def measure(world: int, steps: int, rounds: int) -> dict:
@@ -128,10 +138,9 @@ def write(rows, command: str, seconds: float, out: Path) -> None:
         ref = r["step_ms"]["torch tp+sp"]
         for k, ms in r["step_ms"].items():
             lo, hi = r["spread_ms"][k]
-            ff_ = k.startswith("flexflow")
-            pred = f"{r['predicted']['ms']:.1f} ({100 * (r['predicted']['ms'] / ms - 1):+.0f}%)" if ff_ else ""
-            ppk = f"{r['predicted']['peak'] / 2**20:.1f} ({100 * (r['predicted']['peak'] / r['peak_bytes'][k] - 1):+.0f}%)" \
-                if ff_ else ""
+            p = r["predicted"].get(k)
+            pred = f"{p['ms']:.1f} ({100 * (p['ms'] / ms - 1):+.0f}%)" if p else ""
+            ppk = f"{p['peak'] / 2**20:.1f} ({100 * (p['peak'] / r['peak_bytes'][k] - 1):+.0f}%)" if p else ""
             lines.append(f"| {r['processes']} | {k} | {ms:.1f} ({lo:.1f}-{hi:.1f}) | {ms / ref:.2f} | {pred} | "
                          f"{r['peak_bytes'][k] / 2**20:.1f} | {ppk} | {r['losses'][k]:.5f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -216,21 +216,24 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def _strategy_arg(name, graph, machine, precision="32-true", pipe=None):
+def _strategy_arg(name, graph, machine, precision="32-true", pipe=None, tensor=(1, True)):
     """The --strategy: a built-in or a file; ``pipe`` (tp, pp, microbatches, schedule,
-    interleave) shapes ``megatron`` and ``fsdp_tp``, and pipelines any other built-in."""
+    interleave) and ``tensor`` (cp, sequence parallelism) shape ``megatron`` and ``fsdp_tp``,
+    ``pipe`` pipelines any other built-in."""
     from .strategy.config import StrategyError
     from .strategy.strategy import Strategy
     tp, pp, mb, sched, v = pipe or (None, 1, 1, "1f1b", 1)
-    three = dict(tp=tp, pp=pp, microbatches=mb, schedule=sched, interleave=v)
+    cp, sp = tensor
+    three = dict(tp=tp, pp=pp, microbatches=mb, schedule=sched, interleave=v, cp=cp, sequence_parallel=sp)
     builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
                 "expert": Strategy.expert, "zero1": lambda g, m: Strategy.zero(g, m, 1),
                 "zero2": lambda g, m: Strategy.zero(g, m, 2), "fsdp": Strategy.fsdp,
                 "megatron": lambda g, m: Strategy.megatron(g, m, **three),
                 "fsdp_tp": lambda g, m: Strategy.megatron(g, m, shard=3, **three)}
-    if pipe is not None and name not in ("megatron", "fsdp_tp") and (pp != 1 or v != 1 or tp is not None):
-        raise CLIError("--tp, --pp and --interleave shape --strategy megatron or fsdp_tp; other strategies "
-                       "take --microbatches and --schedule only")
+    if pipe is not None and name not in ("megatron", "fsdp_tp") and (pp != 1 or v != 1 or tp is not None
+                                                                      or cp != 1 or not sp):
+        raise CLIError("--tp, --pp, --cp, --interleave and --no-sequence-parallel shape --strategy megatron or "
+                       "fsdp_tp; other strategies take --microbatches and --schedule only")
     if name in builtins:
         if pipe is not None and name not in ("megatron", "fsdp_tp") and (mb != 1 or sched != "1f1b"):
             try:
@@ -310,7 +313,8 @@ def cmd_simulate(args) -> int:
     module, inputs, label = load_model(args.model, args.batch, machine.num_devices, size=args.size, seq=args.seq)
     graph = _trace(module, inputs, args.batch_dim)
     strategy = _strategy_arg(args.strategy, graph, machine, precision,
-                             (args.tp, args.pp, args.microbatches, args.schedule, args.interleave))
+                             (args.tp, args.pp, args.microbatches, args.schedule, args.interleave),
+                             (args.cp, not args.no_sequence_parallel))
     if args.recompute == "blocks":
         strategy = strategy.recompute_blocks()
     sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer, precision=precision)
@@ -477,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="blocks: every op of the repeated blocks recomputed (block checkpointing)")
             s.add_argument("--tp", type=int, help="megatron / fsdp_tp: tensor-parallel degree (default: a node)")
             s.add_argument("--pp", type=int, default=1, help="megatron / fsdp_tp: pipeline stages")
+            s.add_argument("--cp", type=int, default=1,
+                           help="megatron / fsdp_tp: context parallelism (every op split along the tokens)")
+            s.add_argument("--no-sequence-parallel", action="store_true",
+                           help="megatron / fsdp_tp: the ops between the pairs whole on the tensor-parallel group "
+                                "(where it is every device)")
             s.add_argument("--microbatches", type=int, default=1, help="micro-batches a step is cut into")
             s.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
                            help="the pipeline's schedule")

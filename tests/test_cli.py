@@ -139,3 +139,19 @@ def test_simulate_native_prints_the_plan_in_torchs_terms(capsys):
     code, _, err = run(capsys, "simulate", "llama", "--size", "small", "--batch", "8", "--machine", "h100-cluster",
                        "--devices", "4", "--strategy", "zero1", "--native")
     assert code == 2 and "shard level 1" in err
+
+
+def test_simulate_shapes_megatron_with_context_and_without_sequence_parallelism(capsys):
+    base = ("simulate", "llama", "--size", "small", "--seq", "256", "--batch", "4", "--machine", "h100-cluster",
+            "--devices", "8", "--strategy", "megatron", "--json")
+    got = {}
+    for extra in (("--tp", "4"), ("--tp", "4", "--cp", "2"), ("--tp", "8"), ("--tp", "8", "--no-sequence-parallel")):
+        code, out, _ = run(capsys, *base, *extra)
+        assert code == 0, extra
+        got[extra] = json.loads(out)["comm_bytes"]
+    assert got[("--tp", "4", "--cp", "2")] != got[("--tp", "4")]  # (the keys and values move besides)
+    assert got[("--tp", "8", "--no-sequence-parallel")] != got[("--tp", "8")]
+    code, _, err = run(capsys, *base, "--tp", "4", "--no-sequence-parallel")
+    assert code == 2 and "sequence_parallel=False" in err and "tp=4" in err
+    code, _, err = run(capsys, *base[:-3], "--strategy", "fsdp", "--cp", "2")
+    assert code == 2 and "--cp" in err

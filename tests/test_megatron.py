@@ -143,7 +143,7 @@ def _llama(batch=4):
     return m, x, ff.trace(m, x)
 
 
-def _case(rank: int, which: str, tp: int, cp: int = 1):
+def _case(rank: int, which: str, tp: int, cp: int = 1, sp: bool = True):
     from _dist_workers import _rel_err, _train  # the executor tests' SGD loop and error
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -156,10 +156,12 @@ def _case(rank: int, which: str, tp: int, cp: int = 1):
         ref_state = ref.state_dict()
     m.load_state_dict(init)
     world = dist.get_world_size()
-    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=world), tp=tp, cp=cp)
+    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=world), tp=tp, cp=cp, sequence_parallel=sp)
     par = ff.parallelize(m, world, example_inputs=x, strategy=s)
     losses = _train(par, m, 4)
-    out = {"losses": losses, "exchanges": par.runtime.num_exchanges}
+    kinds = [ex.coll.kind for ex in par.runtime.exchanges if ex.coll is not None]
+    out = {"losses": losses, "exchanges": par.runtime.num_exchanges,
+           "collectives": {k: kinds.count(k) for k in set(kinds)}, "regathered": len(par.runtime.regathered)}
     state = par.state_dict()  # (a collective: every rank)
     if rank == 0:
         out["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -169,10 +171,27 @@ def _case(rank: int, which: str, tp: int, cp: int = 1):
 
 @pytest.mark.slow
 def test_megatron_trains_equal_to_one_process_on_2_ranks():
-    cases = [("transformer", 2), ("decoder", 2), ("decoder", 1)]
+    cases = [("transformer", 2), ("decoder", 2), ("decoder", 1), ("llama", 2, 1, False)]
     r0, r1 = launch(_worker, 2, cases, timeout_s=120)
     for case, a, b in zip(cases, r0, r1):
         assert a["losses"] == b["losses"] and a["exchanges"] > 0, case
+        assert not a["collectives"], case  # a pair exchanges point to point (strategy.collective)
+        assert a["loss_err"] < 1e-5 and a["param_err"] < 1e-5, (case, a)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_collectives_train_equal_to_one_process_on_4_ranks():
+    """tp=4: the sequence-parallel transitions run as collectives (an all-gather into each
+    pair, its input gathered again for the backward; a reduce-scatter out of it), without
+    sequence parallelism an all-reduce out of it; 4 SGD steps equal one process (float32)."""
+    cases = [("llama", 4), ("decoder", 4), ("llama", 4, 1, False)]
+    res = launch(_worker, 4, cases, timeout_s=240)
+    for k, case in enumerate(cases):
+        a = res[0][k]
+        assert all(r[k]["losses"] == a["losses"] for r in res), case
+        want = {"gather": 2, "scatter": 2} if len(case) < 4 else {"gather": 1, "reduce": 2}
+        assert all(a["collectives"].get(kind, 0) >= n for kind, n in want.items()), (case, a["collectives"])
+        assert a["regathered"] >= 2 or len(case) == 4, (case, a)  # (without SP: a norm reads the embedding)
         assert a["loss_err"] < 1e-5 and a["param_err"] < 1e-5, (case, a)
 
 

@@ -12,6 +12,7 @@ from flexflow.launch import launch
     (2, "transformer", 8, ["data_parallel", "random:0", "fsdp", "megatron"]),
     (2, "llama", 8, ["megatron"]),  # q, k, v (and gate, up) share one received input and one cast
     (4, "mlp", 8, ["random:2", "shard:2"]),
+    (4, "llama", 8, ["megatron"]),  # tp 4: collectives, the cast input gathered again in the backward
 ])
 def test_bf16_mixed_trains_as_one_process_under_autocast(world, name, batch, specs):
     for spec, loss_errs, err, scale, worst, gathered in launch(W.mixed, world, name, batch, specs,
@@ -53,17 +54,21 @@ def test_16_mixed_with_loss_scaling_trains_as_one_process_under_autocast():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,specs", [("mlp", ["data_parallel", "fsdp", "random:0"]),
-                                        ("transformer", ["fsdp", "megatron"]),
-                                        ("llama", ["megatron", "fsdp"])])
-def test_bf16_params_trains_as_one_process_casting_its_parameters(name, specs):
+@pytest.mark.parametrize("world,name,specs", [(2, "mlp", ["data_parallel", "fsdp", "random:0"]),
+                                              (2, "transformer", ["fsdp", "megatron"]),
+                                              (2, "llama", ["megatron", "fsdp"]),
+                                              (4, "llama", ["megatron"])])  # (tp 4: collectives)
+def test_bf16_params_trains_as_one_process_casting_its_parameters(world, name, specs):
     """precision="bf16-params" on flexflow's runtime (no autocast: parameters cast to bfloat16
     where ops read them, after the gradient gate; inputs, constants and messages bfloat16;
     sharded regions gathered in bfloat16) against one process that casts its parameters as
     FSDP2's MixedPrecisionPolicy does; float32 parameters, gradients and state."""
-    for spec, loss_errs, err, scale, matmuls, dtypes, loss_dtype in launch(W.params16, 2, name, 8, specs,
+    for spec, loss_errs, err, scale, matmuls, dtypes, loss_dtype in launch(W.params16, world, name, 8, specs,
                                                                            timeout_s=180)[0]:
-        assert max(loss_errs) <= 0.008, (spec, loss_errs)  # at most one bfloat16 step of the (bf16) loss
+        # at most one bfloat16 step of the (bf16) loss; two where four tensor-parallel ranks add
+        # their row-parallel partial sums in bfloat16 (as Megatron and DTensor do: the same with
+        # the exchanges point to point)
+        assert max(loss_errs) <= 0.008 * world / 2, (spec, loss_errs)
         # the parameters after 3 SGD steps: within bfloat16 rounding of the reference (float32
         # training lands as far from it: rounding differences grow alike over the steps)
         assert err < 1e-3 and err < 2 * scale, (spec, err, scale)

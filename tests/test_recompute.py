@@ -239,8 +239,11 @@ def test_search_fits_by_recompute_or_shard_where_data_parallelism_does_not(trans
     all_rc = lv.apply(dp, linears, lambda h, c: c.with_recompute())[0]
     p_dp, p_rc, p_fsdp = peak(dp), peak(all_rc), peak(Strategy.fsdp(g, m))
     assert p_rc < p_fsdp < p_dp
+    # (tensor parallelism keeps 1/4 of each gathered input: below FSDP, above all_rc)
+    p_tp = min(peak(Strategy.megatron(g, m)), peak(Strategy.megatron(g, m, shard=3)))
+    assert p_rc < p_tp
     # recomputation alone fits, sharding alone does not
-    tight = _capped(g, m, (p_rc + p_fsdp) / 2)
+    tight = _capped(g, m, (p_rc + min(p_fsdp, p_tp)) / 2)
     for kw in ({}, {"shard": False, "recompute": True}):
         r = ff.search(g, tight, evaluations=300, seed=0, progress=False, **kw)
         assert not r.baselines["data_parallel"].feasible and r.result.feasible, kw

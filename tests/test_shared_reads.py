@@ -60,11 +60,15 @@ def test_the_simulator_moves_and_holds_a_shared_read_once():
     apart_s = s.replace("layers_0_attention_wk", ff.ParallelConfig({"k": 4}, k_cfg.devices))
     apart = Simulator(g, mach, precision="bf16-mixed", optimizer="adam").simulate(apart_s)
     assert apart.comm_bytes > shared.comm_bytes
-    # memory: the plan counted with every read apart holds more than with shared ones
-    sim2 = Simulator(g, mach, precision="bf16-mixed", optimizer="adam")
-    live = sim2.ctx.live
-    live.read_group = lambda o, j, cfg: None  # (nothing shared)
-    assert max(sim2.simulate(s).peak_memory) > max(shared.peak_memory)
+    # memory: the plan counted with every read apart holds more than with shared ones (on a
+    # pair, whose exchanges are point to point and keep the received input for the backward;
+    # a group of 4 gathers it again there instead: tests/test_collectives.py)
+    mach2 = Machine.preset("h100-cluster", devices=2)
+    s2 = ff.Strategy.megatron(g, mach2, tp=2)
+    held = max(Simulator(g, mach2, precision="bf16-mixed", optimizer="adam").simulate(s2).peak_memory)
+    sim2 = Simulator(g, mach2, precision="bf16-mixed", optimizer="adam")
+    sim2.ctx.live.read_group = lambda o, j, cfg: None  # (nothing shared)
+    assert max(sim2.simulate(s2).peak_memory) > held
 
 
 def test_delta_equals_full_from_a_tensor_parallel_plan():

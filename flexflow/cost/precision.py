@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graph.ir import Op
+from ..graph.ir import Op, OpGraph
 
-__all__ = ["Precision", "PRECISIONS", "CUDA_FLOAT32_KINDS", "autocast_device", "gathers_in_compute",
+__all__ = ["Precision", "PRECISIONS", "lowered_outputs", "CUDA_FLOAT32_KINDS", "autocast_device", "gathers_in_compute",
            "precision", "priced_op", "priced_ops", "priced_cost_model"]
 
 
@@ -266,3 +266,24 @@ def priced_cost_model(cost_model, name, graph=None):
     if graph is not None and not prec.native:
         priced_ops(graph, prec)
     return cost_model if prec.native or cost_model is None else _PricedCostModel(cost_model, prec)
+
+
+# rules that keep their floating inputs' dtype when they hold no parameter (elementwise, layout)
+_FOLLOWS_INPUTS = frozenset({"pointwise", "reshape", "transpose", "index", "concat", "pad", "pool", "unpack"})
+
+
+def lowered_outputs(graph: OpGraph) -> set:
+    """Names of the ops whose floating output autocast computes in its lower dtype on
+    every device type: the :data:`LOWERED_RULES`, and elementwise or layout ops without
+    parameters all of whose floating inputs are such outputs."""
+    out: set = set()
+    for op in graph.ops:
+        if not op.dtype.is_floating_point or op.everywhere:
+            continue
+        if op.rule in LOWERED_RULES:
+            out.add(op.name)
+        elif op.rule in _FOLLOWS_INPUTS and not op.params:
+            floats = [s for s in op.inputs if graph.op(s).dtype.is_floating_point]
+            if floats and all(s in out for s in floats):
+                out.add(op.name)
+    return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .collex import gather_backward, gather_forward
 from .comm import _all_reduce
 from .plan import Exchange, _Gate, _Output, _wire, _wire_dtype
 from .sync import _Rider
@@ -34,6 +35,11 @@ def _describe(ex: Exchange, phase: str) -> str:
     recv_from = sorted({p.src for p in ex.recvs})
     if phase == "backward":  # gradients travel the other way
         send_to, recv_from = recv_from, send_to
+    if ex.coll is not None:
+        op = {("gather", "forward"): "all-gather", ("scatter", "backward"): "all-gather"}.get(
+            (ex.coll.kind, phase), "all-reduce" if ex.coll.kind == "reduce" else "reduce-scatter")
+        return (f"{phase} exchange {ex.index} ({ex.producer} -> {ex.consumer}, input {ex.input}), "
+                f"{op} among ranks {list(ex.coll.group)}")
     peers = []
     if recv_from:
         peers.append(f"receiving from rank(s) {recv_from}")
@@ -49,6 +55,11 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, ex: Exchange, token, x):
         ctx.rt, ctx.ex = rt, ex
+        if ex.coll is not None:  # one collective over the group (collex)
+            out = gather_forward(rt, ex, x, lambda: _describe(ex, "forward"))
+            if out is not None and not ex.grad:
+                ctx.mark_non_differentiable(out)
+            return token.clone(), out
         # this rank's sends left when the producer was computed (Runtime._post_sends);
         # its receives were posted at the start of the step
         works, bufs = rt._recv.pop(ex.index, ((), ()))
@@ -79,7 +90,12 @@ class _ExchangeFn(torch.autograd.Function):
     def backward(ctx, g_token, g_out):
         rt, ex = ctx.rt, ctx.ex
         gx = None
-        if ex.grad:
+        if ex.grad and ex.coll is not None:
+            rt._arm_backward(rt.fwd_pos[ex.index])
+            if g_out is None:
+                g_out = torch.zeros(ex.out_shape, dtype=ex.dtype, device=rt.device)
+            gx = gather_backward(rt, ex, g_out, lambda: _describe(ex, "backward"))
+        elif ex.grad:
             tag = 2 * ex.index + 1
             if ex.in_shape is not None:
                 gx = torch.zeros(ex.in_shape, dtype=ex.dtype, device=rt.device)

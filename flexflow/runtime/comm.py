@@ -63,6 +63,8 @@ class Comm:
                 self.ride_group = dist.new_group(every, timeout=self.timeout)
             for key in sorted(keys):
                 self.groups[key] = dist.new_group(list(key), timeout=self.timeout)
+            for g in sorted(self.coll_groups):  # exchanges run as collectives (collex): groups of their own
+                self.groups[("exchange", *g)] = dist.new_group(list(g), timeout=self.timeout)
             # one collective on each new group first (NCCL batched p2p needs it)
             flag = torch.zeros(1, device=self.device)
             for group in (self.p2p_group, self.coll_group, self.ride_group):

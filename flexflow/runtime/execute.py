@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..graph.ir import OpGraph
+from ..cost.precision import LOWERED_RULES
 from ..graph.ops import RULES
 from ..sim.memory import RECV_AHEAD
 from ..strategy.localrun import constant_value_of, fill_outputs
@@ -43,6 +44,7 @@ from .autograd import _ExchangeFn, _GateFn, _OutputFn
 from .comm import Comm
 from .compute import _compute, _Stacked, _tensor, compile_program
 from .pending import Once, pending
+from .collex import Regather, plan_regathers
 from .plan import BUCKET_CAP_MB, ExecutorError, Plan
 from .recompute import Recomputing
 from .shard import Gathering
@@ -95,6 +97,7 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         self._make_groups()
         self._make_gather_groups()
         self._recompute_setup()
+        self.regathered = plan_regathers(self)  # gathered inputs made again in the backward (collex)
         self.sync = _GradSync(self)
         shutdown.register(self)
 
@@ -138,7 +141,7 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
             with contextlib.ExitStack() as stack:
                 if self.precision.mixed and self.precision.autocast_lists:  # as under torch.autocast in one process
                     stack.enter_context(torch.autocast(self.device.type, dtype=self.precision.compute))
-                if self.recomputed and torch.is_grad_enabled():  # readers save recipes of their outputs
+                if (self.recomputed or self.regathered) and torch.is_grad_enabled():  # readers save recipes
                     self._rc_begin_forward()
                     stack.enter_context(self._rc_hooks())
                 if state["vals"] is None:
@@ -223,12 +226,17 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 mode, src, data = entry
                 if mode == "xchg":
                     token, x = _ExchangeFn.apply(self, data, token, _tensor(vals, src))
+                    if data.index in self.regathered and x is not None and torch.is_grad_enabled():
+                        state.setdefault("rg", {})[(op.name, len(ins))] = self._regather_source(
+                            data, _tensor(vals, src), x)
                     if ("recv", (op.name, len(ins))) in self.share_uses:  # other readers share it
                         x = self._take(state, "recv", (op.name, len(ins)), lambda: x)
-                    ins.append(x if not self.cast_share else self.shared_input(state, op.name, len(ins), x))
+                    y = x if not self.cast_share else self.shared_input(state, op.name, len(ins), x)
+                    ins.append(self._regather_read(state, op, (op.name, len(ins)), x, y))
                 elif mode == "shared":  # what another reader received
                     x = self._take(state, "recv", data, None)
-                    ins.append(x if not self.cast_share else self.shared_input(state, op.name, len(ins), x))
+                    y = x if not self.cast_share else self.shared_input(state, op.name, len(ins), x)
+                    ins.append(self._regather_read(state, op, data, x, y))
                 else:
                     x = vals[src]
                     if data is not None:
@@ -253,6 +261,31 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
             if op.name in self.sends_after:
                 self._post_sends(op.name, vals[op.name])
         state["token"] = token
+
+    def _regather_source(self, ex, block, x):
+        """Register the gathered input ``x`` of exchange ``ex`` as made again in the backward
+        from this rank's piece of its producer ``block`` (collex.Regather); the source."""
+        src = Regather(ex, block[ex.coll.region].detach(), None, x.storage_offset())
+        self._rc_register(x, src)
+        return src
+
+    def _regather_read(self, state: dict, op, key, x, y):
+        """What a reader of a re-gathered input computes with: ``y`` (``x`` or the cast of it
+        the readers share), under autocast cast here rather than inside the op, so that what
+        the op saves is the registered copy, made again in the backward."""
+        src = state.get("rg", {}).get(key)
+        if src is None or y is None:
+            return y
+        casts = state.setdefault("rg_cast", {})  # one cast for every reader, recomputed ones too
+        if y is x and self.precision.mixed and self.precision.autocast_lists and op.rule in LOWERED_RULES \
+                and x.dtype.is_floating_point and x.dtype != self.precision.compute:
+            y = casts.get(id(src))
+            y = x.to(self.precision.compute) if y is None else y  # (what autocast would do in the op)
+        if y is not x and self._rc_source(y) is None:
+            self._rc_register(y, Regather(src.ex, src.piece, y.dtype, y.storage_offset()))
+        if y is not x:
+            casts.setdefault(id(src), y)
+        return y
 
     def _outputs(self, state: dict):
         vals, token = state["vals"], state["token"]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cost.model import GRAD_BUCKET_BYTES
-from ..cost.precision import LOWERED_RULES, PRECISIONS, gathers_in_compute
+from ..cost.precision import PRECISIONS, gathers_in_compute, lowered_outputs
 from ..graph.ir import Op, OpGraph, dtype_bytes
 from ..graph.ops import RULES
 from ..graph.ops.base import region_shape
@@ -58,6 +58,7 @@ from ..strategy.regions import (
     pick_replica,
 )
 from ..strategy.strategy import Strategy
+from .collex import plan_collective
 from .shardplan import Slice, group_units, plan_units, shard_levels, slice_of
 from .shared import SharedInputs
 
@@ -76,27 +77,6 @@ class ExecutorError(RuntimeError):
 # compute dtype where autocast surely computes them so); float16's loss scaling is the
 # training loop's (torch's ShardedGradScaler agrees on skipped steps across the ranks)
 RUN_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-params")
-
-
-# rules that keep their floating inputs' dtype when they hold no parameter (elementwise, layout)
-_FOLLOWS_INPUTS = frozenset({"pointwise", "reshape", "transpose", "index", "concat", "pad", "pool", "unpack"})
-
-
-def lowered_outputs(graph: OpGraph) -> set:
-    """Names of the ops whose floating output autocast computes in its lower dtype on
-    every device type: the :data:`LOWERED_RULES`, and elementwise or layout ops without
-    parameters all of whose floating inputs are such outputs."""
-    out: set = set()
-    for op in graph.ops:
-        if not op.dtype.is_floating_point or op.everywhere:
-            continue
-        if op.rule in LOWERED_RULES:
-            out.add(op.name)
-        elif op.rule in _FOLLOWS_INPUTS and not op.params:
-            floats = [s for s in op.inputs if graph.op(s).dtype.is_floating_point]
-            if floats and all(s in out for s in floats):
-                out.add(op.name)
-    return out
 
 
 def _precision_error(precision) -> str:
@@ -134,6 +114,7 @@ class Exchange:
     sends: list = field(default_factory=list)
     recvs: list = field(default_factory=list)
     local: list = field(default_factory=list)
+    coll: object = None  # run as a collective over a group (collex.Collective), else point-to-point
 
 
 @dataclass
@@ -366,7 +347,7 @@ class Plan(SharedInputs):
         needs_grad: set[str] = set()
         self.program: list[_Step] = []
         self.exchanges: list[Exchange] = []  # this rank's exchange steps
-        self.num_exchanges = 0
+        self.num_exchanges, self.coll_groups = 0, set()  # (groups of the exchanges run as collectives)
         self.last_exchange_op = -1  # forward position of the last op that takes an input from another rank
         self.comm_bytes = 0  # activation bytes moved per forward, all ranks together
         self._crossed: set = set()  # (op, input) whose read crosses ranks somewhere
@@ -409,10 +390,10 @@ class Plan(SharedInputs):
         # first exchange) and waited on at first use
         self.sends_after: dict[str, list] = {}  # producer op -> exchanges this rank sends in
         for ex in self.exchanges:
-            if ex.sends:
+            if ex.sends and ex.coll is None:
                 self.sends_after.setdefault(ex.producer, []).append(ex)
-        self.fwd_recv_ex = [ex for ex in self.exchanges if ex.recvs]
-        self.bwd_recv_ex = [ex for ex in self.exchanges if ex.grad and ex.sends]
+        self.fwd_recv_ex = [ex for ex in self.exchanges if ex.recvs and ex.coll is None]
+        self.bwd_recv_ex = [ex for ex in self.exchanges if ex.grad and ex.sends and ex.coll is None]
         # values this rank can drop after each step (autograd keeps what backward needs)
         last: dict[str, int] = {}
         for i, step in enumerate(self.program):
@@ -510,8 +491,11 @@ class Plan(SharedInputs):
                     pieces.append(Piece(self.ranks[q.device], self.ranks[c.device], _rel(ov, q.output),
                                         _rel(ov, r), region_shape(ov)))
         remote = [p for p in pieces if p.src != p.dst]
-        index = None
+        index = coll = None
         if remote:
+            coll = plan_collective(pieces, self.rank, pparts[0].partial,
+                                   {self.ranks[q.device]: region_shape(q.output) for q in pparts})
+            self.coll_groups.update(() if coll is None else coll[0])
             self._crossed.add((op.name, i))
             index = self.num_exchanges
             self.num_exchanges += 1
@@ -535,7 +519,7 @@ class Plan(SharedInputs):
                       grad and prod.dtype.is_floating_point,
                       region_shape(mine.inputs[i]) if need else None,
                       None if qm is None else region_shape(qm.output),
-                      sends, recvs, [p for p in pieces if p.src == p.dst == me])
+                      sends, recvs, [p for p in pieces if p.src == p.dst == me], coll and coll[1])
         self.exchanges.append(ex)
         return ("xchg", src, ex)
 

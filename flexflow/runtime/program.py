@@ -31,9 +31,20 @@ def messages(rt) -> dict:
     ``p2p``: (direction, peer, tag, shape, dtype, what) per message, forward and backward;
     ``collectives``: group ranks -> [(numel, dtype, what)] in launch order."""
     p2p = []
+    colls: dict = {}
     for ex in rt.exchanges:
         what = f"{ex.producer} -> {ex.consumer} (exchange {ex.index})"
         wire = "uint8" if _dtype(ex.dtype) == "bool" else _dtype(ex.dtype)
+        if ex.coll is not None:  # forward and backward, on the exchange's own group
+            c = ex.coll
+            kinds = {"gather": ("all-gather", "reduce-scatter"), "scatter": ("reduce-scatter", "all-gather"),
+                     "reduce": ("all-reduce", "all-reduce")}[c.kind]
+            seq = colls.setdefault(tuple(c.group), [])
+            numel = math.prod(c.shape) * (1 if c.kind == "reduce" else len(c.group))
+            seq.append((numel, wire, f"{kinds[0]} {what}"))
+            if ex.grad:
+                seq.append((numel, _dtype(ex.dtype), f"{kinds[1]} {what} grad"))
+            continue
         for p in ex.sends:
             p2p.append(("send", p.dst, 2 * ex.index, tuple(p.shape), wire, what))
             if ex.grad:
@@ -42,7 +53,6 @@ def messages(rt) -> dict:
             p2p.append(("recv", p.src, 2 * ex.index, tuple(p.shape), wire, what))
             if ex.grad:
                 p2p.append(("send", p.src, 2 * ex.index + 1, tuple(p.shape), _dtype(ex.dtype), what + " grad"))
-    colls: dict = {}
     if rt.world > 1:
         every = tuple(range(rt.world))
         for out in rt.outputs.values():
@@ -72,7 +82,12 @@ def describe(rt) -> str:
         if step.everywhere:
             continue
         for entry in step.inputs:
-            if entry is not None and entry[0] == "xchg" and entry[2].recvs:
+            if entry is not None and entry[0] == "xchg" and entry[2].coll is not None:
+                ex = entry[2]
+                kind = {"gather": "all-gather", "scatter": "reduce-scatter", "reduce": "all-reduce"}[ex.coll.kind]
+                lines.append(f"  {kind} {ex.producer} -> {op.name} among ranks {list(ex.coll.group)} "
+                             f"(exchange {ex.index})")
+            elif entry is not None and entry[0] == "xchg" and entry[2].recvs:
                 ex = entry[2]
                 srcs = sorted({p.src for p in ex.recvs})
                 lines.append(f"  wait   {ex.producer} -> {op.name} from rank(s) {srcs} (exchange {ex.index})")

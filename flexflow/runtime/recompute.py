@@ -100,12 +100,13 @@ class Recomputing:
         quals = [q for _, q, *_ in step.params]
         rng = torch.get_rng_state()
         n = len(ins)
-        # inputs made by recomputed ops of this op's block: recipes, not kept
+        # inputs made by recomputed ops of this op's block, and gathered inputs gathered again
+        # (collex.Regather): recipes, not kept
         here = self._rc_block[op.name]
         args, kept = [], []
         for t in ins:
-            src = self._rc_source(t) if here else None
-            if src is not None and self._rc_block.get(src.op.name) == here:
+            src = self._rc_source(t) if here or self.regathered else None
+            if src is not None and (src.op is None or here and self._rc_block.get(src.op.name) == here):
                 lazy = _Lazy(t, self._rc_pack(t))
                 args.append(lazy)
                 kept.append(lazy.recipe)
@@ -181,8 +182,16 @@ class Recomputing:
                     stack.append((x.source, False))
         with torch.no_grad():
             for s in order:
-                if s.cache is None:
+                if s.cache is None and s.op is None:  # a gathered input: gathered again (collex.Regather)
+                    s.cache = s.remake(self)
+                elif s.cache is None:
                     s.cache = _remake(self, s.op, s.block, s.ins, s.params, s.rng, s.autocast, s.quals)
+
+    def _rc_register(self, t: torch.Tensor, source) -> None:
+        """Readers that save ``t`` (or a view of it) save a recipe of ``source`` instead."""
+        root = t if t._base is None else t._base
+        root._ff_rc_source = source
+        self._rc_live[t.untyped_storage().data_ptr()] = weakref.ref(root)
 
     def _rc_begin_forward(self) -> None:
         """Drop the entries of outputs already freed (their addresses may be reused)."""

@@ -8,6 +8,8 @@ import numpy as np
 from ..cost.model import CostModel
 from ..graph.ir import Op, OpGraph, dtype_bytes
 from ..graph.ops.base import region_numel
+from ..sim.collective import collective_seconds
+from ..strategy.collective import regatherable
 from ..strategy.config import ParallelConfig
 from ..strategy.regions import overlap, partitions
 from ..strategy.strategy import Strategy
@@ -162,6 +164,7 @@ class _Bound:
                     bwd[a, b] = tb = m.transfer_time_s(p.device, q.device, nbytes)
                     remote.append((a, b, tf, [D + l for l in m.route(q.device, p.device)],
                                    tb, [D + l for l in m.route(p.device, q.device)]))
+            remote = self._as_collectives(remote, pu, pv, i, esize, vop, cv, fwd, bwd)
             # per link a transfer occupies: (link, producer partition, fwd s), (link, consumer partition, bwd s)
             fl = [(l, b, tf) for a, b, tf, lf, tb, lb in remote for l in lf]
             bl = [(l, a, tb) for a, b, tf, lf, tb, lb in remote for l in lb]
@@ -170,6 +173,32 @@ class _Bound:
                                       np.array([r[2] for r in rows], dtype=float))
             hit = self._x[key] = (fwd, bwd, as_arrays(fl), as_arrays(bl))
         return hit
+
+    def _as_collectives(self, remote: list, pu, pv, i: int, esize: int, vop, cv, fwd, bwd) -> list:
+        """``remote`` with the transfers' times those the task graph gives them where they are
+        collectives (:func:`flexflow.sim.collective.collective_seconds`; the input gathered
+        again before a linear reader's backward), ``fwd`` / ``bwd`` updated alike."""
+        if not remote:
+            return remote
+        coll = collective_seconds(self.machine, [pu[b].device for _, b, *_ in remote],
+                                  [pv[a].device for a, *_ in remote],
+                                  self._bytes(remote, pu, pv, i, esize),
+                                  bool(pu[0].partial), [pv[a].inputs[i] for a, *_ in remote],
+                                  [region_numel(pu[b].output) * esize for _, b, *_ in remote])
+        if coll is None:
+            return remote
+        secs, kind = coll
+        back = 2 if kind == "gather" and regatherable(vop, cv) else 1
+        out = []
+        for (a, b, _, lf, _, lb), t in zip(remote, secs.tolist()):
+            fwd[a, b], bwd[a, b] = t, back * t
+            out.append((a, b, t, lf, back * t, lb))
+        return out
+
+    @staticmethod
+    def _bytes(remote: list, pu, pv, i: int, esize: int) -> list:
+        """Bytes of each remote transfer (the overlap of the consumer's region and the block)."""
+        return [region_numel(overlap(pv[a].inputs[i], pu[b].output)) * esize for a, b, *_ in remote]
 
     def __call__(self, assign: list[int]) -> float:
         """assign[g] = candidate index of group g, for the first len(assign) groups."""

@@ -80,7 +80,9 @@ class LoadBound:
         for j in ctx.ext_inputs[o]:
             u = ins[j]
             e = ctx.edge_plan(u, o, j, cfg[u], co)
-            if e.comm:
+            # (a read several ops may share has one set of transfers in the task graph, which
+            # depends on the other readers' configs: left out, the bound stays a bound)
+            if e.comm and not ctx.live.readers[u]:
                 row = row + e.busy
         self._rows[key] = row
         return row

@@ -377,7 +377,11 @@ class Liveness(UnitEvents, RecomputeEvents, SharedReads):
                 if w >= 0 and self.copies(o, j, w):
                     saved = rg[o] and (sv.inputs == "all" or j in sv.inputs)
                     end = self.shared_cast(o, j, cfg, self._saves_input) if self.readers[u] else None
-                    if end is not None:  # one copy for the readers casting it alike
+                    rgg = self.regather_group(o, j, cfg)
+                    if rgg is not None:  # gathered again (and cast) in the backward: not kept; one
+                        if rgg[0] == (o, j):  # cast for every reader (the executor shares it)
+                            self._regather_live(rgg, self.cast_bytes(o, cfg[o], j), live, cfg, copies=True)
+                    elif end is not None:  # one copy for the readers casting it alike
                         if end >= 0:
                             live(F, end, self.cast_bytes(o, cfg[o], j))
                     elif saved and rc:  # the checkpoint keeps the input, not the copy: made again
@@ -389,8 +393,28 @@ class Liveness(UnitEvents, RecomputeEvents, SharedReads):
         saved_in = sv.inputs
         for j in ctx.ext_inputs[o]:
             u = ctx.inputs[o][j]
-            recv = ctx.edge_plan(u, o, j, cfg[u], cfg[o]).recv
+            e = ctx.edge_plan(u, o, j, cfg[u], cfg[o])
+            recv = e.recv
             if not recv.any():
+                continue
+            if e.coll is not None:  # a collective: its buffers at the op, not posted ahead
+                rgg = self.regather_group(o, j, cfg) if e.coll == "gather" else None
+                end = self.shared_recv(o, j, cfg, self._saves_input) if self.readers[u] else None
+                if rgg is not None and (end is None or end >= 0):
+                    live(F, F, recv)
+                    self._regather_live(rgg, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0), live, cfg)
+                    if rg[u]:
+                        live(B, B, recv)
+                    continue
+                if end is None:
+                    keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in) \
+                        and not self.copies(o, j, self._owner[u])
+                    end = B if keeps else (self.rc_pos[o] if rc else F)
+                if end >= 0:
+                    live(F, F, recv)
+                    live(F, end, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0))
+                if rg[u]:
+                    live(B, B, recv)
                 continue
             end = self.shared_recv(o, j, cfg, self._saves_input) if self.readers[u] else None
             if end is None:

@@ -23,7 +23,9 @@ from ..strategy.regions import (
     pick_replica,
     validate_config,
 )
+from ..strategy.collective import regatherable
 from ..strategy.units import shard_groups
+from .collective import collective_seconds, transfer_resources
 from .memory import Liveness, optimizer_state_copies
 from .paramplans import ParamPlanning
 from .taskkeys import (
@@ -71,7 +73,7 @@ class _Tmpl:
 class _EdgePlan:
     """Producer u -> consumer o input j under a config pair: same-device pairs (direct), the
     transfers as task columns (fcols / bcols, producer and consumer partitions xq, xk), bytes received per device, busy row."""
-    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xq", "xk", "fcols", "bcols")
+    __slots__ = ("recv", "busy", "comm", "identity", "direct", "xq", "xk", "fcols", "bcols", "coll")
 
 
 class Context(ParamPlanning):
@@ -282,9 +284,7 @@ class Context(ParamPlanning):
         """(single resource or -1, resource tuple or None) of a point-to-point transfer."""
         r = self._route.get((a, b))
         if r is None:
-            links = tuple(self.D + l for l in self.machine.route(a, b))
-            if self.comm_on_cores:  # the ends' cores move the message: both devices are busy
-                links = (a, *links, b)
+            links = transfer_resources(self.machine, a, b)  # (with comm_on_cores, both ends' cores)
             r = self._route[a, b] = (links[0], None) if len(links) == 1 else (-1, links)
         return r
 
@@ -330,7 +330,7 @@ class Context(ParamPlanning):
             g = self._egeo[gkey] = self._edge_geometry(u, o, j, cu, co)
         e = _EdgePlan()
         e.recv, e.busy, e.comm, e.identity, e.direct = g.recv, g.busy, g.comm, g.identity, g.direct
-        e.xq, e.xk = g.xq, g.xk
+        e.xq, e.xk, e.coll = g.xq, g.xk, g.coll
         low = g.fcols[3]
         e.fcols = g.fcols[:3] + (((((o << 3 | XF) << _JB | j) << 2 * _PB) + low).tolist(),)
         e.bcols = g.bcols[:3] + ((((((_AMAX - o) << 3 | XB) << _JB | j) << 2 * _PB) + low).tolist(),)
@@ -380,6 +380,14 @@ class Context(ParamPlanning):
         _, _, r1, rm, pad = self._transfer_tables()
         fd = self._transfer_ps_array(Ax, Bx, NBx)
         bd = self._transfer_ps_array(Bx, Ax, NBx)
+        e.coll = None
+        coll = collective_seconds(self.machine, Ax, Bx, NBx, bool(pu[0].partial), [po[k].inputs[j] for k in e.xk],
+                                  [region_numel(pu[q].output) * bpe for q in e.xq], self.xfer_lag_s)
+        if coll is not None:  # (see collective.py)
+            fd = bd = np.maximum(1, np.rint(coll[0] * PS)).astype(np.int64)
+            e.coll = coll[1]
+            if e.coll == "gather" and regatherable(self.ops[o], co):  # gathered again before its backward
+                bd = 2 * bd
         for src, dst, dur in ((Ax, Bx, fd), (Bx, Ax, bd)):
             res = pad[src, dst]
             for c in range(res.shape[1]):

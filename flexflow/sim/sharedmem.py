@@ -9,6 +9,7 @@ the first reader of a group holds the received region (and the cast) for all of 
 its forward to the last reader's need of it, and the others hold none."""
 from __future__ import annotations
 
+from ..strategy.collective import regatherable
 from ..strategy.regions import input_reads
 
 __all__ = ["SharedReads"]
@@ -56,6 +57,39 @@ class SharedReads:
         if self.rg[v] and saves(v, j) and not self.copies(v, j, w):
             return 2 * self.n - 1 - v
         return self.rc_pos[v] if self._rc(v, cfg) else v
+
+    def regather_group(self, o: int, j: int, cfg: list) -> list | None:
+        """The readers [(op, input)] sharing o's read of input j (o alone: [(o, j)]) where that
+        input is all-gathered and gathered again in their backward rather than kept
+        (:func:`flexflow.strategy.collective.regatherable`, as the executor decides), else None."""
+        ctx = self.ctx
+        u = ctx.inputs[o][j]
+        if u < 0 or ctx.everywhere[u] or ctx.edge_plan(u, o, j, cfg[u], cfg[o]).coll != "gather":
+            return None
+        g = self.read_group(o, j, cfg) or [(o, j)]
+        return g if all(regatherable(ctx.ops[v], cfg[v]) for v, _ in g) else None
+
+    def _regather_live(self, group: list, row, live, cfg: list, copies: bool = False) -> None:
+        """A re-gathered input (``row``: its bytes per device; ``copies``: the readers' shared
+        cast of it): from the first reader's forward to the last reader's; then from the first
+        backward that gathers it again (a saving reader's backward, a recomputed reader's
+        recomputation) to the last reader's backward that needs it (the cache lives until every
+        recipe of it is gone).  Where readers save only casts of it, the gathered input is a
+        transient where each gathers it (gathered, then cast)."""
+        n, ctx = self.n, self.ctx
+        live(group[0][0], max(v for v, _ in group), row)
+        w = self._owner[ctx.inputs[group[0][0]][group[0][1]]]
+        spans = []
+        for v, jj in group:
+            if not (self.rg[v] and self._saves_input(v, jj)):
+                continue
+            start = self.rc_pos[v] if self._rc(v, cfg) else 2 * n - 1 - v
+            if copies or not self.copies(v, jj, w):
+                spans.append((start, 2 * n - 1 - v))
+            else:
+                live(start, start, row)
+        if spans:
+            live(min(a for a, _ in spans), max(b for _, b in spans), row)
 
     def shared_recv(self, o: int, j: int, cfg: list, saves) -> int | None:
         """Where o's received input j is shared: -1 when another reader holds it, else the

@@ -41,7 +41,7 @@ import itertools
 import math
 
 from ..graph.ir import Op, OpGraph
-from .config import ParallelConfig, StrategyError
+from .config import REPLICA, ParallelConfig, StrategyError
 from .regions import has_param_replicas, partitions
 
 __all__ = ["linear_pairs", "megatron_configs"]
@@ -200,13 +200,16 @@ def _config(op: Op, want: dict[str, int], tp: int, batch: int | None,
 
 
 def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
-                     fallback: dict[str, ParallelConfig], cp: int = 1) -> dict[str, ParallelConfig]:
+                     fallback: dict[str, ParallelConfig], cp: int = 1,
+                     sequence_parallel: bool = True) -> dict[str, ParallelConfig]:
     """Op name -> config of the Megatron plan (see the module's docstring); ``fallback``:
     the data-parallel config of each op, for ops that have no dim to split as the plan
     says.  ``cp > 1``: context parallelism, every op split along the tokens ``cp`` ways
     besides (device ``t + tp * (c + cp * d)``: tensor rank t of sequence chunk c of
     replica d), a causal attention by its query rows (each chunk reading the keys and
-    values before it)."""
+    values before it).  ``sequence_parallel=False`` (one group: ``tp`` the devices): the ops
+    the plan would split along the tokens are replicated on the group instead, the pairs'
+    partial sums all-reduced into them."""
     if cp > 1:
         return _context_configs(graph, num_devices, tp, cp, shard, fallback)
     dp = num_devices // tp
@@ -235,8 +238,11 @@ def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
             tries += [{"n": dp, d: tp} for d, tag in t.items() if tag == pair]
         elif op.rule == "embedding" and "e" in op.parallel_dims and "n" in op.parallel_dims:
             tries.append({"n": dp, "e": tp})
-        if tokens is not None:
+        if tokens is not None and sequence_parallel:
             tries.append({"n": dp, tokens: tp})
+        elif tokens is not None and kind == "trunk" and not tries:  # kept whole in the group
+            configs[op.name] = _with_shard(graph, members, ParallelConfig({REPLICA: tp}, range(tp)), shard)
+            continue
         cfg = None
         for want in tries:
             cfg = _config(op, want, tp, graph.batch_size)

@@ -262,22 +262,30 @@ class Strategy(Mapping):
         attention by its query rows, each chunk reading the keys and values before it (in
         contiguous chunks: the last chunk computes the most).
 
-        The ops between a tensor-parallel pair's layers split along the tokens already
-        (Megatron's sequence parallelism, ``sequence_parallel=True``); keeping them whole in
-        the group (``False``) is not offered: a :class:`StrategyError` says so."""
+        The ops between a tensor-parallel pair's layers (norms, residual adds) split along the
+        tokens inside the group (Megatron's sequence parallelism, ``sequence_parallel=True``):
+        the transitions are an all-gather and a reduce-scatter.  ``False`` keeps them whole on
+        every device of the group, the pairs' partial sums all-reduced into them; offered where
+        the group is every device (a replicated op cannot also split the samples or tokens in
+        the SOAP space), else a :class:`StrategyError` says so."""
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise StrategyError(f"cp must be a positive int, got {cp!r}")
-        if sequence_parallel is not True:
-            raise StrategyError("sequence_parallel=False: megatron splits the ops between a tensor-parallel "
-                                "pair's layers along the tokens (sequence parallelism); keeping them whole in the "
-                                "group is not offered")
         D = machine.num_devices
+        if not isinstance(sequence_parallel, bool):
+            raise StrategyError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+        whole = (f"sequence_parallel=False keeps the ops between a pair's layers whole on every device of the "
+                 f"tensor-parallel group, which needs tp to be all {D} devices without pp or cp (a replicated op "
+                 f"cannot also split the samples or tokens)")
+        if not sequence_parallel and (pp != 1 or cp != 1 or microbatches != 1 or interleave != 1):
+            raise StrategyError(f"{whole}; got pp={pp}, cp={cp}")
         if pp != 1 or microbatches != 1 or interleave != 1:
             return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp)
         if tp is None:
             tp = math.gcd(D // cp if D % cp == 0 else D, getattr(machine, "devices_per_node", D))
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or D % tp:
             raise StrategyError(f"tp must be a positive int that divides the machine's {D} devices, got {tp!r}")
+        if not sequence_parallel and tp != D:
+            raise StrategyError(f"{whole}; got tp={tp}")
         if shard not in SHARD_LEVELS:
             raise StrategyError(f"shard must be one of {SHARD_LEVELS}, got {shard!r}")
         if D % (tp * cp):
@@ -288,11 +296,11 @@ class Strategy(Mapping):
                                 f"{D // (tp * cp)} ways, more than the batch of {graph.batch_size}: raise tp"
                                 f"{', cp' if cp > 1 else ''} or the batch")
         dp = cls.data_parallel(graph, machine)
-        configs = megatron_configs(graph, D, tp, shard, dp, cp=cp)
+        configs = megatron_configs(graph, D, tp, shard, dp, cp=cp, sequence_parallel=sequence_parallel)
         name = "megatron" if not shard else "fsdp_tp" if shard == 3 else f"megatron_z{shard}"
         if cp > 1:
             name += f"_cp{cp}"
-        return cls(graph, configs, machine, name=name)
+        return cls(graph, configs, machine, name=name if sequence_parallel else name + "_nosp")
 
     @classmethod
     def model_parallel(cls, graph: OpGraph, machine) -> "Strategy":
