@@ -47,6 +47,13 @@ def test_native_describes_the_mesh_family_as_torchtitan_would():
     assert dp["replicate"] and dp["mesh"]["dim_names"] == ["dp_replicate"]
     rc = ff.plan(module, machine, inputs, strategy=ff.Strategy.fsdp(graph, machine).recompute_blocks()).native()
     assert rc["checkpoint"] == ["layers.0", "layers.1"]
+    # without sequence parallelism (one group): torch's plain TP plan, the rest replicated in it
+    m4 = ff.Machine.preset("h100-cluster", devices=4)
+    nosp = ff.plan(module, m4, inputs, strategy=ff.Strategy.megatron(graph, m4, tp=4, sequence_parallel=False)).native()
+    assert not nosp["sequence_parallel"] and nosp["mesh"]["dim_names"][-1] == "tp"
+    tp = nosp["tensor_parallel"]
+    assert tp["layers.0.attention.wq"] == "ColwiseParallel" and tp["layers.0.feed_forward.w2"] == "RowwiseParallel"
+    assert "layers.0.attention_norm" not in tp and "norm" not in tp
 
 
 def test_a_plan_off_the_mesh_names_the_first_op_that_does_not_map():

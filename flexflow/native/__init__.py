@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 
 from ..graph.ir import OpGraph, repeated_block
-from ..strategy.config import StrategyError
+from ..strategy.config import REPLICA, StrategyError
 from ..strategy.regions import partitions
 from .styles import make_style, sequence_parallel_styles
 
@@ -85,12 +85,12 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
             if styles.get(owner, style) != style:
                 raise StrategyError(f"{op.describe()}: module {owner} is split both ways by its uses")
             styles[owner] = style
-        elif tensor and tp > 1 and not all(k in ("s", "e", "d0") or k.startswith(("s", "t")) for k in tensor):
+        elif tensor and tp > 1 and not all(k in ("s", "e", "d0", REPLICA) or k.startswith(("s", "t")) for k in tensor):
             raise StrategyError(f"{op.describe()}: splits {sorted(tensor)} in the tensor-parallel group, which no "
                                 "DTensor style of a whole module expresses")
-        elif tp > 1:
+        elif tp > 1:  # (whole on every rank of the group, or split along the tokens: sequence parallelism)
             whole_in_tp.add(owner)
-            if tensor:
+            if tensor and REPLICA not in tensor:
                 token_split.setdefault(owner, (op, sorted(tensor)))
         _check_order(op, cfg, d, dp or 1, tp or 1, local)
     if dp is None:

@@ -240,14 +240,13 @@ def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
             tries.append({"n": dp, "e": tp})
         if tokens is not None and sequence_parallel:
             tries.append({"n": dp, tokens: tp})
-        elif tokens is not None and kind == "trunk" and not tries:  # kept whole in the group
-            configs[op.name] = _with_shard(graph, members, ParallelConfig({REPLICA: tp}, range(tp)), shard)
-            continue
         cfg = None
         for want in tries:
             cfg = _config(op, want, tp, graph.batch_size)
             if cfg is not None:
                 break
+        if cfg is None and not sequence_parallel:  # kept whole in the group (one group: dp is 1)
+            cfg = ParallelConfig({REPLICA: tp}, range(tp))
         if cfg is None:
             cfg = fallback[op.name]
         configs[op.name] = _with_shard(graph, members, cfg, shard)
