@@ -269,3 +269,34 @@ def test_a_fused_projection_laid_out_by_heads_splits_without_exchanges():
     assert comm["heads"] < comm["blocks"]
     with pytest.raises(ValueError, match="qkv must be"):
         GPT2(GPT2Config(layers=1, width=32, heads=4, vocab=64, seq_len=16, positions=16, qkv="interleaved"))
+
+
+def _pipelined(rank: int, tp: int, pp: int, microbatches: int):
+    from _dist_workers import _rel_err, _train
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    m, x, g = _llama(batch=4)
+    ref = copy.deepcopy(m)
+    ref_losses = _train(ref, ref, 4)
+    world = dist.get_world_size()
+    s = ff.Strategy.megatron(g, ff.Machine.preset("h100-cluster", devices=world), tp=tp, pp=pp,
+                             microbatches=microbatches)
+    par = ff.parallelize(m, world, example_inputs=x, strategy=s)
+    losses = _train(par, m, 4)
+    rt = par.runtime
+    kinds = sorted({ex.coll.kind for r in getattr(rt, "runtimes", [rt]) for ex in getattr(r, "exchanges", [])
+                    if ex.coll is not None})
+    state = par.state_dict()
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_err": max(_rel_err(state[k], ref.state_dict()[k]) for k in ref.state_dict()), "kinds": kinds}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_collectives_inside_a_pipeline_on_8_ranks():
+    """TP 4 x PP 2, two micro-batches, 8 processes: each stage's transitions run as collectives
+    on its group (the stages' members meet them in the same micro-batch order); equal to one
+    process (float32)."""
+    res = launch(_pipelined, 8, 4, 2, 2, timeout_s=300)
+    for r in res:
+        assert r["kinds"] == ["gather", "scatter"], r
+        assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, r
