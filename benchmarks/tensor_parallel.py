@@ -14,6 +14,8 @@ on every process (one tensor-parallel group, tp = processes), AdamW.  Plans:
   collective is one message each way);
 - flexflow ``megatron(tp=p, sequence_parallel=False)``: the ops between the pairs whole on
   every process, the row-parallel partial sums all-reduced (point to point on 2);
+- flexflow ``megatron(tp=p).recompute_blocks()``: every op of the blocks recomputed (on 4
+  processes the recomputation gathers the linear layers' inputs again);
 - torch TP: ``ColwiseParallel`` on q, k, v, gate and up, ``RowwiseParallel`` on the output and
   down projections; embedding, norms and head replicated;
 - torch TP + SP: the same with ``SequenceParallel`` norms, the embedding and the two row-parallel
@@ -86,7 +88,8 @@ def _worker(rank: int, steps: int, rounds: int):
     machine = sharded.host_machine(world)
     sim = ff.Simulator(graph, machine, CostModel.for_machine(machine), optimizer="adam")
     plans = {"flexflow megatron": ff.Strategy.megatron(graph, machine, tp=world),
-             "flexflow megatron, no sp": ff.Strategy.megatron(graph, machine, tp=world, sequence_parallel=False)}
+             "flexflow megatron, no sp": ff.Strategy.megatron(graph, machine, tp=world, sequence_parallel=False),
+             "flexflow megatron, blocks recomputed": ff.Strategy.megatron(graph, machine, tp=world).recompute_blocks()}
     predicted, pms = {}, {}
     for k, s in plans.items():
         r = sim.simulate(s)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .collex import gather_backward, gather_forward
+from .collex import collective_backward, collective_forward
 from .comm import _all_reduce
 from .plan import Exchange, _Gate, _Output, _wire, _wire_dtype
 from .sync import _Rider
@@ -56,7 +56,7 @@ class _ExchangeFn(torch.autograd.Function):
     def forward(ctx, rt, ex: Exchange, token, x):
         ctx.rt, ctx.ex = rt, ex
         if ex.coll is not None:  # one collective over the group (collex)
-            out = gather_forward(rt, ex, x, lambda: _describe(ex, "forward"))
+            out = collective_forward(rt, ex, x, lambda: _describe(ex, "forward"))
             if out is not None and not ex.grad:
                 ctx.mark_non_differentiable(out)
             return token.clone(), out
@@ -94,7 +94,7 @@ class _ExchangeFn(torch.autograd.Function):
             rt._arm_backward(rt.fwd_pos[ex.index])
             if g_out is None:
                 g_out = torch.zeros(ex.out_shape, dtype=ex.dtype, device=rt.device)
-            gx = gather_backward(rt, ex, g_out, lambda: _describe(ex, "backward"))
+            gx = collective_backward(rt, ex, g_out, lambda: _describe(ex, "backward"))
         elif ex.grad:
             tag = 2 * ex.index + 1
             if ex.in_shape is not None:

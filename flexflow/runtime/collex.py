@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..strategy.collective import clique_groups, regatherable
 
-__all__ = ["Collective", "plan_collective", "gather_forward", "gather_backward", "plan_regathers", "Regather"]
+__all__ = ["Collective", "plan_collective", "collective_forward", "collective_backward", "plan_regathers", "Regather"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def plan_collective(pieces: list, me: int, partial: bool, blocks: dict):
     """(every group, this rank's :class:`Collective` or None) when the exchange of these
     pieces (:class:`flexflow.runtime.plan.Piece`, every rank's) runs as collectives, else None.
     ``blocks``: each sending rank's block shape (a gather sends whole blocks, as the
-    simulator prices it: ``flexflow.sim.plans.Context._collective_ps``)."""
+    simulator prices it: :func:`flexflow.sim.collective.collective_seconds`)."""
     groups = clique_groups((p.src, p.dst) for p in pieces if p.src != p.dst)
     if groups is None or len({tuple(p.shape) for p in pieces}) != 1:
         return None
@@ -97,7 +97,7 @@ def _group(rt, c: Collective):
     return rt.groups[("exchange", *c.group)]
 
 
-def gather_forward(rt, ex, x, describe, whole_block: bool = True) -> torch.Tensor:
+def collective_forward(rt, ex, x, describe, whole_block: bool = True) -> torch.Tensor:
     """The exchange's forward as its collective: this rank's consumer input (``x``: this
     rank's producer block, or with ``whole_block`` False its piece alone)."""
     c = ex.coll
@@ -123,7 +123,7 @@ def gather_forward(rt, ex, x, describe, whole_block: bool = True) -> torch.Tenso
     return out
 
 
-def gather_backward(rt, ex, g_out, describe) -> torch.Tensor:
+def collective_backward(rt, ex, g_out, describe) -> torch.Tensor:
     """The exchange's backward as the other collective: the gradient of this rank's block."""
     c = ex.coll
     gx = torch.zeros(ex.in_shape, dtype=ex.dtype, device=rt.device)
@@ -164,7 +164,13 @@ def _reduce_scatter(rt, c: Collective, parts: list, dtype, describe) -> torch.Te
     return piece
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as messages carry it (booleans as bytes)."""
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
+
+
 def _wire_dtype(dtype):
+    """The dtype messages carry ``dtype`` in (booleans as bytes)."""
     return torch.uint8 if dtype == torch.bool else dtype
 
 
@@ -199,7 +205,7 @@ class Regather:
 
     def remake(self, rt) -> torch.Tensor:
         ex = self.ex
-        out = gather_forward(rt, ex, self.piece, lambda: _regather_words(ex), whole_block=False)
+        out = collective_forward(rt, ex, self.piece, lambda: _regather_words(ex), whole_block=False)
         return out if self.dtype is None or out.dtype == self.dtype else out.to(self.dtype)
 
 

@@ -58,7 +58,7 @@ from ..strategy.regions import (
     pick_replica,
 )
 from ..strategy.strategy import Strategy
-from .collex import plan_collective
+from .collex import _wire, _wire_dtype, plan_collective  # noqa: F401 (the wire dtypes: imported from here)
 from .shardplan import Slice, group_units, plan_units, shard_levels, slice_of
 from .shared import SharedInputs
 
@@ -170,14 +170,6 @@ def _rel(region: tuple, base: tuple) -> tuple:
 
 def _is_full(region: tuple, shape) -> bool:
     return all(s.start == 0 and s.stop == n for s, n in zip(region, shape))
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.uint8) if t.dtype == torch.bool else t
-
-
-def _wire_dtype(dtype):
-    return torch.uint8 if dtype == torch.bool else dtype
 
 
 # --------------------------------------------------------------------------- the plan
