@@ -397,39 +397,29 @@ class Liveness(UnitEvents, RecomputeEvents, SharedReads):
             recv = e.recv
             if not recv.any():
                 continue
-            if e.coll is not None:  # a collective: its buffers at the op, not posted ahead
-                rgg = self.regather_group(o, j, cfg) if e.coll == "gather" else None
-                end = self.shared_recv(o, j, cfg, self._saves_input) if self.readers[u] else None
-                if rgg is not None and (end is None or end >= 0):
+            end = self.shared_recv(o, j, cfg, self._saves_input) if self.readers[u] else None
+            # a collective's buffers are the op's (not posted ahead); an all-gather its linear
+            # readers gather again in the backward is not kept for it
+            ahead = RECV_AHEAD if e.coll is None else 0
+            rgg = self.regather_group(o, j, cfg) if e.coll == "gather" else None
+            if rgg is not None:
+                if end is None or end >= 0:
                     live(F, F, recv)
                     self._regather_live(rgg, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0), live, cfg)
-                    if rg[u]:
-                        live(B, B, recv)
-                    continue
+            else:
                 if end is None:
+                    # kept for the backward unless the op keeps its own copy (a cast) instead; a
+                    # recomputed op reads its inputs again: received regions are kept until then
                     keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in) \
                         and not self.copies(o, j, self._owner[u])
                     end = B if keeps else (self.rc_pos[o] if rc else F)
-                if end >= 0:
-                    live(F, F, recv)
+                if end >= 0:  # (-1: a reader before o received it for both)
+                    # the pieces received (posted ahead), then the region they make (partial
+                    # sums added up)
+                    live(max(0, F - ahead), F, recv)
                     live(F, end, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0))
-                if rg[u]:
-                    live(B, B, recv)
-                continue
-            end = self.shared_recv(o, j, cfg, self._saves_input) if self.readers[u] else None
-            if end is None:
-                # kept for the backward unless the op keeps its own copy (a cast) instead; a
-                # recomputed op reads its inputs again: received regions are kept until then
-                keeps = rg[o] and not self.view[o] and (saved_in == "all" or j in saved_in) \
-                    and not self.copies(o, j, self._owner[u])
-                end = B if keeps else (self.rc_pos[o] if rc else F)
-            if end >= 0:  # (-1: a reader before o received it for both)
-                # the pieces received (posted RECV_AHEAD ops ahead), then the region they make
-                # (partial sums added up)
-                live(max(0, F - RECV_AHEAD), F, recv)
-                live(F, end, np.where(recv > 0, self.in_bytes(o, cfg[o], j), 0))
-            if rg[u]:  # (the gradient's pieces: posted RECV_AHEAD ops ahead of o's backward)
-                live(B - RECV_AHEAD if B - RECV_AHEAD > n else n, B, recv)
+            if rg[u]:  # (the gradient's pieces: posted ahead of o's backward)
+                live(B - ahead if B - ahead > n else n, B, recv)
         ev = (np.array(pos, np.int64), np.stack(rows) if rows else np.zeros((0, ctx.D), np.int64))
         self._ev[key] = ev
         return ev
