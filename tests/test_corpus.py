@@ -247,3 +247,30 @@ def test_an_opaque_op_on_the_meta_device_is_checked_with_stand_ins():
 def test_a_negative_batch_dim_counts_from_the_end():
     module, example = _build("seqfirst_layer", batch=6)
     assert ff.trace(module, example, batch_dim=-1).op("emb").sample_dim.axis == 1
+
+
+@pytest.mark.slow
+def test_plans_on_4_ranks_with_collectives_train_as_one_process():
+    """On 4 processes a data-parallel layer read whole (nanoGPT's and the sequence-first models'
+    data-parallel plans, two random plans) is an all-gather run as one collective: equal to
+    one process, and the ranks agree."""
+    from flexflow.hardware.machine import Machine
+    from flexflow.runtime.plan import Plan
+    specs = ["data_parallel", "random:1", "random:3"]
+    with_collectives = set()
+    for name in sorted(CORPUS):
+        module, inputs = W.build(name, BATCH)
+        graph = ff.trace(module, inputs)
+        for spec in specs:
+            s = W.make_strategy(spec, graph, Machine.preset("cpu", devices=4))
+            plan = Plan(graph, s, module, list(range(4)), rank=0, world=4)
+            with_collectives |= {(name, spec) for ex in plan.exchanges if ex.coll is not None}
+    assert {("nanogpt", "data_parallel"), ("seqfirst_mha", "data_parallel"),
+            ("seqfirst_rnns", "random:1")} <= with_collectives, with_collectives
+    cases = [(name, BATCH, "eval" if name == "layers" else "train", specs, False) for name in sorted(CORPUS)]
+    out = launch(W.suite, 4, cases, timeout_s=600)
+    first = out[0]["equivalence"]
+    bad = [(r["model"], r["spec"], r["loss_err"], r["param_err"]) for r in first
+           if r["loss_err"] > TOL or r["param_err"] > TOL]
+    assert len(first) == len(cases) * len(specs) and not bad, bad
+    assert all(o["losses"] == r["losses"] for res in out[1:] for o, r in zip(res["equivalence"], first))
