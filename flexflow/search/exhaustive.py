@@ -146,7 +146,7 @@ class _Bound:
             esize = dtype_bytes(uop.dtype)
             fwd = np.full((len(pv), len(pu)), -np.inf)
             bwd = np.full((len(pv), len(pu)), -np.inf)
-            remote = []
+            remote, sizes = [], []
             m, D = self.machine, self.D
             for a, p in enumerate(pv):
                 r = p.inputs[i]
@@ -164,7 +164,8 @@ class _Bound:
                     bwd[a, b] = tb = m.transfer_time_s(p.device, q.device, nbytes)
                     remote.append((a, b, tf, [D + l for l in m.route(q.device, p.device)],
                                    tb, [D + l for l in m.route(p.device, q.device)]))
-            remote = self._as_collectives(remote, pu, pv, i, esize, vop, cv, fwd, bwd)
+                    sizes.append(nbytes)
+            remote = self._as_collectives(remote, sizes, pu, pv, i, esize, vop, cv, fwd, bwd)
             # per link a transfer occupies: (link, producer partition, fwd s), (link, consumer partition, bwd s)
             fl = [(l, b, tf) for a, b, tf, lf, tb, lb in remote for l in lf]
             bl = [(l, a, tb) for a, b, tf, lf, tb, lb in remote for l in lb]
@@ -174,17 +175,16 @@ class _Bound:
             hit = self._x[key] = (fwd, bwd, as_arrays(fl), as_arrays(bl))
         return hit
 
-    def _as_collectives(self, remote: list, pu, pv, i: int, esize: int, vop, cv, fwd, bwd) -> list:
+    def _as_collectives(self, remote: list, sizes: list, pu, pv, i: int, esize: int, vop, cv, fwd, bwd) -> list:
         """``remote`` with the transfers' times those the task graph gives them where they are
         collectives (:func:`flexflow.sim.collective.collective_seconds`; the input gathered
         again before a linear reader's backward), ``fwd`` / ``bwd`` updated alike."""
         if not remote:
             return remote
         coll = collective_seconds(self.machine, [pu[b].device for _, b, *_ in remote],
-                                  [pv[a].device for a, *_ in remote],
-                                  self._bytes(remote, pu, pv, i, esize),
-                                  bool(pu[0].partial), [pv[a].inputs[i] for a, *_ in remote],
-                                  [region_numel(pu[b].output) * esize for _, b, *_ in remote])
+                                  [pv[a].device for a, *_ in remote], sizes, bool(pu[0].partial),
+                                  lambda k: pv[remote[k][0]].inputs[i],
+                                  lambda k: region_numel(pu[remote[k][1]].output) * esize)
         if coll is None:
             return remote
         secs, kind = coll
@@ -194,11 +194,6 @@ class _Bound:
             fwd[a, b], bwd[a, b] = t, back * t
             out.append((a, b, t, lf, back * t, lb))
         return out
-
-    @staticmethod
-    def _bytes(remote: list, pu, pv, i: int, esize: int) -> list:
-        """Bytes of each remote transfer (the overlap of the consumer's region and the block)."""
-        return [region_numel(overlap(pv[a].inputs[i], pu[b].output)) * esize for a, b, *_ in remote]
 
     def __call__(self, assign: list[int]) -> float:
         """assign[g] = candidate index of group g, for the first len(assign) groups."""

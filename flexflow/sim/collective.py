@@ -25,21 +25,23 @@ def transfer_resources(machine, a: int, b: int) -> tuple:
     return (a, *links, b) if machine.spec.comm_on_cores else links
 
 
-def collective_seconds(machine, src, dst, nbytes, partial: bool, regions: list, blocks: list,
-                       lag_s: float = 0.0):
-    """(seconds per transfer, kind) when the transfers (src, dst, nbytes per transfer; the
-    consumer's input region and the sender's block bytes per transfer) are collectives, else
-    None.  kind: ``"gather"`` (its backward a reduce-scatter, as long), ``"scatter"`` (its
-    backward an all-gather) or ``"reduce"`` (all-reduce both ways).  ``lag_s``: the part of a
-    message's latency its consumer waits after the transfer (the task graph's lag)."""
+def collective_seconds(machine, src, dst, nbytes, partial: bool, region, block_bytes, lag_s: float = 0.0):
+    """(seconds per transfer, kind) when the transfers (src, dst, nbytes per transfer;
+    ``region(i)``: transfer i's consumer input region, ``block_bytes(i)``: its sender's block
+    bytes, asked only of a candidate) are collectives, else None.  kind: ``"gather"`` (its
+    backward a reduce-scatter, as long), ``"scatter"`` (its backward an all-gather) or
+    ``"reduce"`` (all-reduce both ways).  ``lag_s``: the part of a message's latency its
+    consumer waits after the transfer (the task graph's lag)."""
     src, dst, nbytes = (np.asarray(x, np.int64) for x in (src, dst, nbytes))
+    if not len(src) or (nbytes != nbytes[0]).any() or not np.array_equal(np.unique(src), np.unique(dst)):
+        return None  # (the cheap refusals first: most exchanges are not collectives)
     groups = clique_groups(zip(src.tolist(), dst.tolist()))
-    if groups is None or len(set(nbytes.tolist())) != 1 or (not partial and nbytes.tolist() != list(blocks)):
-        return None
     piece = int(nbytes[0])
+    if groups is None or (not partial and any(block_bytes(i) != piece for i in range(len(src)))):
+        return None
     member = [np.isin(src, g) for g in groups]
     kind = "gather" if not partial else "reduce" if all(
-        len({tuple((s.start, s.stop) for s in regions[i]) for i in np.flatnonzero(sel)}) == 1
+        len({tuple((s.start, s.stop) for s in region(i)) for i in np.flatnonzero(sel)}) == 1
         for sel in member) else "scatter"
     out = np.empty(len(src))
     for g, sel in zip(groups, member):

@@ -381,8 +381,8 @@ class Context(ParamPlanning):
         fd = self._transfer_ps_array(Ax, Bx, NBx)
         bd = self._transfer_ps_array(Bx, Ax, NBx)
         e.coll = None
-        coll = collective_seconds(self.machine, Ax, Bx, NBx, bool(pu[0].partial), [po[k].inputs[j] for k in e.xk],
-                                  [region_numel(pu[q].output) * bpe for q in e.xq], self.xfer_lag_s)
+        coll = collective_seconds(self.machine, Ax, Bx, NBx, bool(pu[0].partial), lambda i: po[e.xk[i]].inputs[j],
+                                  lambda i: region_numel(pu[e.xq[i]].output) * bpe, self.xfer_lag_s)
         if coll is not None:  # (see collective.py)
             fd = bd = np.maximum(1, np.rint(coll[0] * PS)).astype(np.int64)
             e.coll = coll[1]
