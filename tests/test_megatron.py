@@ -143,7 +143,7 @@ def _llama(batch=4):
     return m, x, ff.trace(m, x)
 
 
-def _case(rank: int, which: str, tp: int, cp: int = 1, sp: bool = True, rc: bool = False):
+def _case(rank: int, which: str, tp: int, cp: int = 1, sp: bool = True, rc: bool = False, bal=None):
     from _dist_workers import _rel_err, _train  # the executor tests' SGD loop and error
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -156,13 +156,15 @@ def _case(rank: int, which: str, tp: int, cp: int = 1, sp: bool = True, rc: bool
         ref_state = ref.state_dict()
     m.load_state_dict(init)
     world = dist.get_world_size()
-    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=world), tp=tp, cp=cp, sequence_parallel=sp)
+    s = ff.Strategy.megatron(g, ff.Machine.preset("cpu", devices=world), tp=tp, cp=cp, sequence_parallel=sp,
+                             cp_balance=bal)
     s = s.recompute_blocks() if rc else s
     par = ff.parallelize(m, world, example_inputs=x, strategy=s)
     losses = _train(par, m, 4)
     kinds = [ex.coll.kind for ex in par.runtime.exchanges if ex.coll is not None]
     out = {"losses": losses, "exchanges": par.runtime.num_exchanges,
-           "collectives": {k: kinds.count(k) for k in set(kinds)}, "regathered": len(par.runtime.regathered)}
+           "collectives": {k: kinds.count(k) for k in set(kinds)}, "regathered": len(par.runtime.regathered),
+           "head_tail": par.runtime.reorder.layout.blocks if par.runtime.reorder is not None else 1}
     state = par.state_dict()  # (a collective: every rank)
     if rank == 0:
         out["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -200,24 +202,28 @@ def test_tensor_parallel_collectives_train_equal_to_one_process_on_4_ranks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [
-    (2, [("decoder", 1, 2), ("llama", 1, 2)]),
-    (4, [("decoder", 2, 2), ("llama", 2, 2), ("llama", 1, 4)]),
+    (2, [("decoder", 1, 2), ("llama", 1, 2), ("llama", 1, 2, True, False, False)]),
+    (4, [("decoder", 2, 2), ("llama", 2, 2), ("llama", 1, 4), ("llama", 2, 2, True, False, False)]),
 ])
 def test_context_parallelism_trains_equal_to_one_process(world, cases):
     """megatron(cp=c): every op split along the tokens c ways besides tensor parallelism, the
-    causal attention by its query rows, each chunk receiving the keys and values before it;
-    4 SGD steps equal one process (float32)."""
+    causal attention by its query rows -- balanced (the tokens head-tail, the keys and
+    values all-gathered: the executor reorders the tokens and rotary tables) and
+    contiguous (each chunk receiving the keys and values before it); 4 SGD steps equal one
+    process (float32)."""
     res = launch(_worker, world, cases, timeout_s=240)
     for k, case in enumerate(cases):
         a = res[0][k]
         assert all(r[k]["losses"] == a["losses"] for r in res) and a["exchanges"] > 0, case
+        balanced = len(case) < 6 or case[5] is not False
+        assert a["head_tail"] == (case[2] if balanced else 1), (case, a["head_tail"])
         assert a["loss_err"] < 1e-5 and a["param_err"] < 1e-5, (case, a)
 
 
 def test_context_parallelism_splits_the_attention_by_query_rows():
     m, x, g = _llama(batch=2)
     mach = ff.Machine.preset("h100-cluster", devices=8)
-    s = ff.Strategy.megatron(g, mach, tp=2, cp=2)
+    s = ff.Strategy.megatron(g, mach, tp=2, cp=2, cp_balance=False)
     attn = next(op for op in g.compute_ops if op.rule == "attention")
     assert dict(s[attn.name].degrees) == {"n": 2, "h": 2, "l": 2}
     norm = next(op for op in g.compute_ops if op.kind == "rms_norm")
@@ -242,9 +248,33 @@ def test_context_parallelism_splits_the_attention_by_query_rows():
     assert g1.batch_size == 1 and all(op.sample_dim is None for op in g1.compute_ops)
     s1 = ff.Strategy.megatron(g1, mach, tp=2, cp=4)
     attn1 = next(op for op in g1.compute_ops if op.rule == "attention")
-    assert dict(s1[attn1.name].degrees) == {"h": 2, "l": 4} and len(s1.devices_used()) == 8
+    assert dict(s1[attn1.name].degrees) == {"h": 2, "z": 4} and len(s1.devices_used()) == 8
     with torch.no_grad():
         assert torch.allclose(run_graph(g1, m1, x1, s1), m1(*x1), rtol=1e-5, atol=1e-6)
+
+
+def test_balanced_context_parallelism_lays_the_tokens_out_head_tail():
+    """megatron(cp=c) by default: the causal attention split head-tail (z), every block the
+    same share of the triangle reading all the keys; the executor's reordering is the
+    rotary tables' and the inputs'; the plan computes what the module does."""
+    from flexflow.strategy.regions import partitions
+    from flexflow.graph.ops import RULES
+    from flexflow.strategy.layout import token_layout
+    m, x, g = _llama(batch=2)
+    mach = ff.Machine.preset("h100-cluster", devices=8)
+    s = ff.Strategy.megatron(g, mach, tp=2, cp=2)
+    attn = next(op for op in g.compute_ops if op.rule == "attention")
+    assert dict(s[attn.name].degrees) == {"n": 2, "h": 2, "z": 2}
+    T = attn.output_shape[2]
+    parts = partitions(attn, s[attn.name])
+    assert all(p.inputs[1][2] == slice(0, T) for p in parts)  # every block reads every key
+    assert len({RULES["attention"].flops(attn, p.block) for p in parts}) == 1  # and computes alike
+    lay = token_layout(g, 2)
+    assert {n for n in lay.values if g.op(n).kind == "input"} == {"tokens", "targets"}
+    tables = [n for n in lay.values if g.op(n).kind == "constant"]  # the rotary cos and sin tables
+    assert len(tables) >= 4 and all(lay.values[n] == (g.op(n).output_shape[1], T) for n in tables)
+    with torch.no_grad():
+        assert torch.allclose(run_graph(g, m, x, s), m(*x), rtol=1e-5, atol=1e-6)
 
 
 def test_a_fused_projection_laid_out_by_heads_splits_without_exchanges():

@@ -37,6 +37,7 @@ from ..graph.ir import OpGraph
 from ..cost.precision import LOWERED_RULES
 from ..graph.ops import RULES
 from ..sim.memory import RECV_AHEAD
+from ..strategy.layout import Reordering
 from ..strategy.localrun import constant_value_of, fill_outputs
 from ..strategy.strategy import Strategy
 from . import shutdown
@@ -98,6 +99,7 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
         self._make_gather_groups()
         self._recompute_setup()
         self.regathered = plan_regathers(self)  # gathered inputs made again in the backward (collex)
+        self.reorder = Reordering.of(self.graph, self.strategy)  # a head-tail token layout, or None
         self.sync = _GradSync(self)
         shutdown.register(self)
 
@@ -169,6 +171,8 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
             vals[op.name] = x if x.device == self.device else x.to(self.device)
             if self.params_cast is not None and x.is_floating_point():  # (bf16-params: as FSDP2 casts inputs)
                 vals[op.name] = vals[op.name].to(self.params_cast)
+            if self.reorder is not None:
+                vals[op.name] = self.reorder.value(op.name, vals[op.name])
         state["vals"] = vals
         pvals: dict[str, torch.Tensor] = dict(self.params)
         pvals.update(self.buffers)
@@ -217,6 +221,8 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                 elif op.kind != "input":
                     ins = [None if r is None else vals[s][r] for s, r in zip(op.inputs, step.part.inputs)]
                     vals[op.name] = RULES[op.rule].compute(op, step.part.block, ins, {})
+                if self.reorder is not None and op.kind != "input":  # a position table
+                    vals[op.name] = self.reorder.value(op.name, vals[op.name])
                 continue
             ins = []
             for entry in step.inputs:
@@ -306,7 +312,9 @@ class Runtime(Plan, Comm, Riding, State, Gathering, Recomputing):
                                                                                  f"among all {self.world} ranks"))
                     self._pending.append(once)
                     res = pending(res, once)
-                results[name] = res
+                # back in sequence order (an output still being all-reduced waits for it here)
+                results[name] = res if self.reorder is None else self.reorder.output(name, res)
             elif name in vals:
-                results[name] = _tensor(vals, name)
+                results[name] = _tensor(vals, name) if self.reorder is None else \
+                    self.reorder.output(name, _tensor(vals, name))
         return fill_outputs(self.graph.outputs, results)

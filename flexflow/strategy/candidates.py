@@ -60,8 +60,10 @@ _CANDIDATES: dict = {}  # (dims' names and sizes, no sample dim, devices) -> con
 def searched(dim) -> bool:
     """Whether the candidates split ``dim``: all dims but a split of a layer's inputs with
     partial sums (a linear layer's ``k``, Megatron's row-parallel split), which pays only
-    paired with a split of its producer's outputs and is left to ``Strategy.megatron``."""
-    return not (dim.axis is None and dim.kind == "parameter")
+    paired with a split of its producer's outputs and is left to ``Strategy.megatron``, and
+    a causal attention's head-tail split (``z``), which reorders the tokens of the whole
+    graph and so moves only with every attention at once (``Strategy.megatron(cp=)``)."""
+    return not (dim.axis is None and dim.kind == "parameter") and dim.name != "z"
 
 
 def strategy_space_log10(graph: OpGraph, machine) -> float:

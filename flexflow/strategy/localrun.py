@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from ..graph.ir import Op, OpGraph
 from ..graph.ops import RULES
 from .config import ParallelConfig
+from .layout import Reordering
 from .regions import partitions
 from .strategy import Strategy
 
@@ -51,14 +52,17 @@ def run_graph(graph: OpGraph, module: torch.nn.Module, inputs, strategy: Strateg
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
     values: dict[str, torch.Tensor] = {}
+    order = Reordering.of(graph, strategy) if strategy is not None else None  # (a head-tail token layout)
     input_ops = [op for op in graph.ops if op.kind == "input"]
     for i, op in enumerate(input_ops):
-        values[op.name] = inputs[i]
+        values[op.name] = inputs[i] if order is None else order.value(op.name, inputs[i])
     for op in graph.ops:
         if op.kind == "input":
             continue
         if op.kind == "constant":
             values[op.name] = constant_value_of(op, module)
+            if order is not None:
+                values[op.name] = order.value(op.name, values[op.name])
             continue
         config = strategy[op.name] if (strategy is not None and not op.everywhere) else whole_config(op)
         parts = partitions(op, config)
@@ -80,7 +84,9 @@ def run_graph(graph: OpGraph, module: torch.nn.Module, inputs, strategy: Strateg
                 out[p.output] = out[p.output] + y
             else:
                 out[p.output] = y
-        values[op.name] = out
+        values[op.name] = out if order is None else order.value(op.name, out)
+    if order is not None:
+        values.update({n: order.output(n, values[n]) for n in order.layout.outputs})
     return fill_outputs(graph.outputs, values)
 
 

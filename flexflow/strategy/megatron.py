@@ -43,6 +43,7 @@ import math
 from ..graph.ir import Op, OpGraph
 from .config import REPLICA, ParallelConfig, StrategyError
 from .regions import has_param_replicas, partitions
+from .regions import validate_config as validate_config_for
 
 __all__ = ["linear_pairs", "megatron_configs"]
 
@@ -201,16 +202,24 @@ def _config(op: Op, want: dict[str, int], tp: int, batch: int | None,
 
 def megatron_configs(graph: OpGraph, num_devices: int, tp: int, shard: int,
                      fallback: dict[str, ParallelConfig], cp: int = 1,
-                     sequence_parallel: bool = True) -> dict[str, ParallelConfig]:
+                     sequence_parallel: bool = True, cp_balance: bool | None = None) -> dict[str, ParallelConfig]:
     """Op name -> config of the Megatron plan (see the module's docstring); ``fallback``:
     the data-parallel config of each op, for ops that have no dim to split as the plan
     says.  ``cp > 1``: context parallelism, every op split along the tokens ``cp`` ways
     besides (device ``t + tp * (c + cp * d)``: tensor rank t of sequence chunk c of
     replica d), a causal attention by its query rows (each chunk reading the keys and
-    values before it).  ``sequence_parallel=False`` (one group: ``tp`` the devices): the ops
+    values before it), or with ``cp_balance`` head-tail (:mod:`flexflow.strategy.layout`:
+    each block two chunks, all the keys and values gathered; ``None``: where the graph can
+    run in that token order).  ``sequence_parallel=False`` (one group: ``tp`` the devices): the ops
     the plan would split along the tokens are replicated on the group instead, the pairs'
     partial sums all-reduced into them."""
     if cp > 1:
+        if cp_balance is not False:
+            try:
+                return _balanced(graph, _context_configs(graph, num_devices, tp, cp, shard, fallback))
+            except StrategyError:
+                if cp_balance:
+                    raise
         return _context_configs(graph, num_devices, tp, cp, shard, fallback)
     dp = num_devices // tp
     pairs = linear_pairs(graph)
@@ -290,6 +299,29 @@ def _context_configs(graph: OpGraph, num_devices: int, tp: int, cp: int, shard: 
                 cfg = fallback[op.name]
         configs[op.name] = _with_shard(graph, members, cfg, shard)
     return configs
+
+
+def _balanced(graph: OpGraph, configs: dict[str, ParallelConfig]) -> dict[str, ParallelConfig]:
+    """``configs`` with every causal attention's contiguous split of its rows made head-tail
+    (the same degree), checked against the graph's token layout; a StrategyError says why
+    it cannot be."""
+    from ..graph.ops.attention import balanced
+    from .layout import layout_blocks, token_layout
+    out = dict(configs)
+    for name, cfg in configs.items():
+        op = graph.op(name)
+        if balanced(op):
+            if cfg.degree("l") < 2:
+                raise StrategyError(f"{op.describe()}: its rows are not split along the sequence")
+            degs = cfg.degrees
+            out[name] = ParallelConfig({("z" if k == "l" else k): v for k, v in degs.items()}, cfg.devices,
+                                       cfg.shard, cfg.recompute)
+    for name, cfg in out.items():
+        if name in configs and cfg is not configs[name]:
+            validate_config_for(graph.op(name), cfg)
+    blocks = layout_blocks(graph, out)
+    token_layout(graph, blocks)
+    return out
 
 
 def _with_shard(graph: OpGraph, members, cfg: ParallelConfig, shard: int) -> ParallelConfig:

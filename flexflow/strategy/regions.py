@@ -55,6 +55,14 @@ def validate_config(op: Op, config: ParallelConfig, num_devices: int | None = No
             unit = f" in blocks of {dims[name].unit}" if dims[name].unit > 1 else ""
             raise StrategyError(f"{op.describe()}: cannot split dim {name!r} of size "
                                 f"{dims[name].size}{unit} into {deg} parts (output shape {op.output_shape})")
+    if "z" in degrees and op.rule == "attention":
+        L = op.output_shape[2]
+        if "l" in degrees:
+            raise StrategyError(f"{op.describe()}: its query rows split one way, contiguously (l) or head-tail (z), "
+                                f"not both")
+        if L % (2 * degrees["z"]):
+            raise StrategyError(f"{op.describe()}: a head-tail split of its {L} rows into {degrees['z']} blocks "
+                                f"needs the length divisible by {2 * degrees['z']} (two equal chunks a block)")
     if num_devices is not None and any(d >= num_devices for d in config.devices):
         raise StrategyError(f"{op.describe()}: config {config} uses device "
                             f"{max(config.devices)} but the machine has {num_devices} devices")

@@ -12,8 +12,10 @@ from typing import Iterator
 
 from ..graph.ir import Op, OpGraph, repeated_block
 from ..graph.micro import microbatch_graph
+from ..graph.ops.attention import balanced
 from .candidates import candidate_configs
 from .config import REPLICA, SHARD_LEVELS, ParallelConfig, StrategyError
+from .layout import layout_blocks, token_layout
 from .megatron import megatron_configs
 from .pipeline import Pipeline, pipeline_layout, stage_configs
 from .regions import has_param_replicas, validate_config
@@ -51,6 +53,7 @@ class Strategy(Mapping):
                 raise StrategyError(f"ops {members[:3]}... share parameters and must share one config")
         for op in graph.compute_ops:
             validate_config(op, self._configs[op.name], self.num_devices)
+        _check_layout(graph, self._configs)
         if pipeline is not None:
             self.pipeline = pipeline_layout(graph, self._configs, **_pipeline_args(pipeline))
 
@@ -102,6 +105,8 @@ class Strategy(Mapping):
         configs = dict(self._configs)
         for m in self.graph.groups[op.group]:
             configs[m] = config
+        if balanced(op):
+            _check_layout(self.graph, configs)
         return self._derive(configs)
 
     def replaced(self, changes: Mapping[str, ParallelConfig]) -> "Strategy":
@@ -113,6 +118,8 @@ class Strategy(Mapping):
             validate_config(op, cfg, self.num_devices)
             for m in self.graph.groups[op.group]:
                 configs[m] = cfg
+        if any(balanced(self.graph.op(n)) for n in changes):
+            _check_layout(self.graph, configs)
         return self._derive(configs)
 
     def recompute_blocks(self) -> "Strategy":
@@ -243,7 +250,7 @@ class Strategy(Mapping):
     @classmethod
     def megatron(cls, graph: OpGraph, machine, tp: int | None = None, shard: int = 0, *, pp: int = 1,
                  microbatches: int = 1, schedule: str = "1f1b", interleave: int = 1, cp: int = 1,
-                 sequence_parallel: bool = True) -> "Strategy":
+                 sequence_parallel: bool = True, cp_balance: bool | None = None) -> "Strategy":
         """Megatron-style tensor parallelism of degree ``tp`` (default: the devices of one
         node) inside groups of ``tp`` consecutive devices, data parallelism across the
         groups; ``shard`` (0-3) shards every replicated parameter among its replicas
@@ -259,8 +266,15 @@ class Strategy(Mapping):
 
         ``cp > 1`` adds context parallelism: every op also split along the tokens ``cp``
         ways (device ``t + tp * (c + cp * d)``: tensor rank t of sequence chunk c), a causal
-        attention by its query rows, each chunk reading the keys and values before it (in
-        contiguous chunks: the last chunk computes the most).
+        attention by its query rows.  Balanced (``cp_balance``, Llama 3's): the tokens laid
+        out head-tail -- of 2 cp chunks, sequence rank i holds chunks i and 2 cp - 1 - i --
+        so each computes the same share of the causal triangle, the keys and values
+        all-gathered in the group (:mod:`flexflow.strategy.layout`); the executor reorders
+        the inputs and position tables and restores the outputs.  ``cp_balance=None``
+        balances where the graph can run in that order (every op but the attention treats
+        the tokens one by one), else splits contiguously -- each chunk reading the keys and
+        values before it, the last computing the most; ``True`` requires it (a
+        :class:`StrategyError` names the op that mixes the tokens), ``False`` refuses it.
 
         The ops between a tensor-parallel pair's layers (norms, residual adds) split along the
         tokens inside the group (Megatron's sequence parallelism, ``sequence_parallel=True``):
@@ -279,7 +293,8 @@ class Strategy(Mapping):
         if not sequence_parallel and (pp != 1 or cp != 1 or microbatches != 1 or interleave != 1):
             raise StrategyError(f"{whole}; got pp={pp}, cp={cp}")
         if pp != 1 or microbatches != 1 or interleave != 1:
-            return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp)
+            return _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp,
+                                cp_balance)
         if tp is None:
             tp = math.gcd(D // cp if D % cp == 0 else D, getattr(machine, "devices_per_node", D))
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or D % tp:
@@ -296,7 +311,10 @@ class Strategy(Mapping):
                                 f"{D // (tp * cp)} ways, more than the batch of {graph.batch_size}: raise tp"
                                 f"{', cp' if cp > 1 else ''} or the batch")
         dp = cls.data_parallel(graph, machine)
-        configs = megatron_configs(graph, D, tp, shard, dp, cp=cp, sequence_parallel=sequence_parallel)
+        if cp_balance not in (None, True, False):
+            raise StrategyError(f"cp_balance must be None, True or False, got {cp_balance!r}")
+        configs = megatron_configs(graph, D, tp, shard, dp, cp=cp, sequence_parallel=sequence_parallel,
+                                   cp_balance=cp_balance)
         name = "megatron" if not shard else "fsdp_tp" if shard == 3 else f"megatron_z{shard}"
         if cp > 1:
             name += f"_cp{cp}"
@@ -377,7 +395,8 @@ def _pipeline_args(p) -> dict:
     return {"microbatches": p.get("microbatches", 1), "schedule": p.get("schedule", "1f1b")}
 
 
-def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp=1) -> "Strategy":
+def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, interleave, cp=1,
+                 cp_balance=None) -> "Strategy":
     D = machine.num_devices
     for k, v in (("pp", pp), ("interleave", interleave)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -398,10 +417,18 @@ def _megatron_3d(cls, graph, machine, tp, shard, pp, microbatches, schedule, int
     # the plan of one micro-batch (each op's degrees split a micro-batch); same op names
     micro = microbatch_graph(graph, microbatches) if isinstance(microbatches, int) and microbatches > 1 \
         and graph.batch_size and graph.batch_size % microbatches == 0 and graph.module is not None else graph
-    flat = cls.megatron(micro, sub, tp=tp, shard=shard, cp=cp)
+    flat = cls.megatron(micro, sub, tp=tp, shard=shard, cp=cp, cp_balance=cp_balance)
     configs = stage_configs(graph, dict(flat._configs), pp, interleave, D // pp, tp * cp)
     name = f"megatron_pp{pp}" if not shard else f"fsdp_tp_pp{pp}" if shard == 3 else f"megatron_z{shard}_pp{pp}"
     return cls(graph, configs, machine, name=name, pipeline={"microbatches": microbatches, "schedule": schedule})
+
+
+def _check_layout(graph: OpGraph, configs) -> None:
+    """Refuse causal attentions split head-tail different ways, or a head-tail split of a
+    graph that cannot run in that token order (:mod:`flexflow.strategy.layout`)."""
+    blocks = layout_blocks(graph, configs)
+    if blocks > 1:
+        token_layout(graph, blocks)
 
 
 def _constant_fed(graph: OpGraph) -> set[str]:
