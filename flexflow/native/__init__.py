@@ -47,7 +47,7 @@ def native_plan(graph: OpGraph, strategy, precision: str = "32-true") -> dict:
     for op in ops:
         _check_devices(op, strategy[op.name], groups[group_of[op.name]], D, pipe)
     for op in ops:
-        if op.rule == "attention" and strategy[op.name].degrees.get("l", 1) > 1:
+        if op.rule == "attention" and (strategy[op.name].degree("l") > 1 or strategy[op.name].degree("z") > 1):
             raise StrategyError(f"{op.describe()}: splits its query rows (context parallelism), which "
                                 "native() does not map to torch's context_parallel yet: run the plan with "
                                 "flexflow.parallelize")

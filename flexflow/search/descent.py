@@ -134,7 +134,9 @@ def descend(run: _Run, space: _Space, graph, sims: list, make_sim, ev: Evaluator
     def singles(gi):
         rep = space.reps[gi]
         base = d.cur[rep]
-        cfgs = [levers.carry(gi, c, base) if levers is not None else c for c in space.cands[gi]]
+        # (a head-tail attention keeps its split: it moves with the token layout, strategy.layout)
+        cfgs = [levers.carry(gi, c, base) if levers is not None else c for c in space.cands[gi]] \
+            if base.degree("z") < 2 else []
         cfgs += list(levers.variants(gi, base)) if levers is not None else []
         for cfg in dict.fromkeys(cfgs):
             if cfg != d.cur[rep]:
@@ -150,7 +152,8 @@ def descend(run: _Run, space: _Space, graph, sims: list, make_sim, ev: Evaluator
                 cur = d.cur
                 ca = cfg if levers is None else levers.carry(a, cfg, cur[ra])
                 cb = cfg if levers is None else levers.carry(b, cfg, cur[rb])
-                if cur[ra] != ca and cur[rb] != cb:  # (else a single-group change, tried)
+                if cur[ra] != ca and cur[rb] != cb and cur[ra].degree("z") < 2 and cur[rb].degree("z") < 2:
+                    # (else a single-group change, tried; a head-tail attention stays)
                     yield cur.replace(ra, ca).replace(rb, cb), (a, b)
 
     while True:
@@ -216,7 +219,7 @@ def is_local_optimum(graph: OpGraph, machine, strategy: Strategy, cost_model=Non
     k0 = key(res)
     for rep, cs in zip(space.reps, space.cands):
         for cfg in cs:
-            if cfg == strategy[rep]:
+            if cfg == strategy[rep] or strategy[rep].degree("z") > 1:
                 continue
             r = sim.simulate(strategy.replace(rep, cfg), incremental=True)
             if _better(key(r), k0):

@@ -345,6 +345,19 @@ def _simulate_on(sims: dict, name: str, strategy: Strategy, make_sim):
 
 def _propose(rng: random.Random, space: _Space, cur: Strategy, block: float,
              levers: Levers | None = None, repeats: Repeats | None = None) -> tuple[Strategy, list[int]]:
+    """A random move from ``cur`` (:func:`_move`), drawn again where it breaks the token
+    layout (a causal attention moved off the head-tail split the others keep: a
+    :class:`StrategyError` from ``Strategy.replace``)."""
+    for _ in range(64):
+        try:
+            return _move(rng, space, cur, block, levers, repeats)
+        except StrategyError:
+            continue
+    raise SearchError("64 proposals in a row broke the strategy's token layout")
+
+
+def _move(rng: random.Random, space: _Space, cur: Strategy, block: float,
+          levers: Levers | None = None, repeats: Repeats | None = None) -> tuple[Strategy, list[int]]:
     """A random move from ``cur``: one movable share group to another of its candidates
     (uniformly: a symmetric proposal), and with probability ``block`` the same split carried
     on downstream through 1-8 consumer groups.  With ``levers`` (memory binds), with
