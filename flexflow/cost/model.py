@@ -244,6 +244,8 @@ class CostModel:
         ps = tuple(sorted((k, tuple(s.stop - s.start for s in r)) for k, r in part.params.items()))
         out = tuple(s.stop - s.start for s in part.output)
         head, attrs, tail = _op_key(op)
+        if "z" in part.block and op.rule == "attention":  # a head-tail block computes less than the
+            attrs = attrs + (("rows", "head-tail"),)  # contiguous last block of its shapes
         return head + (out, ins, ps, attrs) + tail
 
     def _lookup(self, op: Op, part, spec):

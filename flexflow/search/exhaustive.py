@@ -192,7 +192,7 @@ class _Bound:
         out = []
         for (a, b, _, lf, _, lb), t in zip(remote, secs.tolist()):
             fwd[a, b], bwd[a, b] = t, back * t
-            out.append((a, b, t, lf, back * t, lb))
+            out.append((a, b, t, lf[-1:], back * t, lb[-1:]))  # (the receiving end: receiver_resources)
         return out
 
     def __call__(self, assign: list[int]) -> float:

@@ -6,7 +6,8 @@ one size, and without partial sums each message is its sender's whole block, the
 runs the group's messages as one all-gather (partial sums: a reduce-scatter, or an
 all-reduce where every member reads one region).  :func:`collective_seconds` gives each
 transfer of such a group the collective's time divided by the most transfers of the group
-that share one resource, so the busiest link is busy for the collective's time and every
+that share one resource (a transfer holding the receiving end of its route:
+:func:`receiver_resources`), so the busiest link is busy for the collective's time and every
 consumer has its input when the collective is done; the task graph (``plans.py``) and the
 exhaustive search's lower bound (``flexflow.search.exhaustive``) both price transfers so."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..strategy.collective import clique_groups
 
-__all__ = ["collective_seconds", "transfer_resources"]
+__all__ = ["collective_seconds", "receiver_resources", "transfer_resources"]
 
 
 def transfer_resources(machine, a: int, b: int) -> tuple:
@@ -23,6 +24,15 @@ def transfer_resources(machine, a: int, b: int) -> tuple:
     (the device count plus the link id), and both devices where their cores move messages."""
     links = tuple(machine.num_devices + l for l in machine.route(a, b))
     return (a, *links, b) if machine.spec.comm_on_cores else links
+
+
+def receiver_resources(machine, a: int, b: int) -> tuple:
+    """The resources a collective's piece a -> b holds: the receiving end of the route (its
+    last link, and the receiver's cores where they move messages).  A ring or tree keeps
+    every link busy at once; holding both ends, the pieces queue behind each other in the
+    order they are listed (all senders feeding one receiver first)."""
+    links = transfer_resources(machine, a, b)
+    return links[-2:] if machine.spec.comm_on_cores and len(links) > 2 else links[-1:]
 
 
 def collective_seconds(machine, src, dst, nbytes, partial: bool, region, block_bytes, lag_s: float = 0.0):
@@ -53,7 +63,7 @@ def collective_seconds(machine, src, dst, nbytes, partial: bool, region, block_b
             t = machine.allgather_time_s(g, len(g) * piece)
         count: dict = {}
         for a, b in zip(src[sel].tolist(), dst[sel].tolist()):
-            for r in transfer_resources(machine, a, b):
+            for r in receiver_resources(machine, a, b):
                 count[r] = count.get(r, 0) + 1
         out[sel] = max(t - lag_s, 0.0) / max(count.values())
     return out, kind

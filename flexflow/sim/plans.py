@@ -25,7 +25,7 @@ from ..strategy.regions import (
 )
 from ..strategy.collective import regatherable
 from ..strategy.units import shard_groups
-from .collective import collective_seconds, transfer_resources
+from .collective import collective_seconds, receiver_resources, transfer_resources
 from .memory import Liveness, optimizer_state_copies
 from .paramplans import ParamPlanning
 from .taskkeys import (
@@ -179,6 +179,7 @@ class Context(ParamPlanning):
         self._route: dict = {}
         self._xfer: dict = {}
         self._xtab = None  # (see _transfer_tables)
+        self._rtab = None  # (see _receiver_tables)
         self.live = Liveness(self, optimizer)  # memory by liveness (memory.py)
 
     def _shard_groups(self, graph) -> None:
@@ -314,6 +315,24 @@ class Context(ParamPlanning):
             self._xtab = (lat, bw, r1, rm, pad)
         return self._xtab
 
+    def _receiver_tables(self):
+        """(single resource or -1, resource tuple or None, padded resources) per (src, dst): what
+        a collective's piece holds (:func:`flexflow.sim.collective.receiver_resources`)."""
+        if self._rtab is None:
+            D, m = self.D, self.machine
+            r1 = np.full((D, D), -1, np.int64)
+            rm = np.empty((D, D), object)
+            pad = np.full((D, D, 2), -1, np.int64)
+            for a in range(D):
+                for b in range(D):
+                    if a == b:
+                        continue
+                    res = receiver_resources(m, a, b)
+                    r1[a, b], rm[a, b] = (res[0], None) if len(res) == 1 else (-1, tuple(res))
+                    pad[a, b, :len(res)] = res
+            self._rtab = (r1, rm, pad)
+        return self._rtab
+
     def _transfer_ps_array(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """A transfer task's picoseconds: the held latency plus the bytes at the route's bandwidth."""
         lat, bw = self._transfer_tables()[:2]
@@ -384,6 +403,7 @@ class Context(ParamPlanning):
         coll = collective_seconds(self.machine, Ax, Bx, NBx, bool(pu[0].partial), lambda i: po[e.xk[i]].inputs[j],
                                   lambda i: region_numel(pu[e.xq[i]].output) * bpe, self.xfer_lag_s)
         if coll is not None:  # (see collective.py)
+            r1, rm, pad = self._receiver_tables()
             fd = bd = np.maximum(1, np.rint(coll[0] * PS)).astype(np.int64)
             e.coll = coll[1]
             if e.coll == "gather" and regatherable(self.ops[o], co):  # gathered again before its backward
