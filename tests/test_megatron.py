@@ -143,11 +143,22 @@ def _llama(batch=4):
     return m, x, ff.trace(m, x)
 
 
+def _nanogpt(batch=4):
+    """nanoGPT as its author writes it (tests/_corpus.py): position ids from arange, the loss
+    over flattened rows."""
+    from _corpus import NanoGPT
+    from flexflow.models._common import make_inputs
+    torch.manual_seed(0)
+    m = NanoGPT()
+    x = make_inputs(m.input_specs(batch), seed=0, device="cpu", dtype=torch.float32)
+    return m, x, ff.trace(m, x)
+
+
 def _case(rank: int, which: str, tp: int, cp: int = 1, sp: bool = True, rc: bool = False, bal=None):
     from _dist_workers import _rel_err, _train  # the executor tests' SGD loop and error
     import torch.distributed as dist
     torch.set_num_threads(1)
-    m, x, g = {"transformer": _transformer, "decoder": _decoder, "llama": _llama}[which](batch=4)
+    m, x, g = {"transformer": _transformer, "decoder": _decoder, "llama": _llama, "nanogpt": _nanogpt}[which](batch=4)
     init = copy.deepcopy(m.state_dict())
     ref_losses = ref_state = None
     if rank == 0:
@@ -203,7 +214,8 @@ def test_tensor_parallel_collectives_train_equal_to_one_process_on_4_ranks():
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [
     (2, [("decoder", 1, 2), ("llama", 1, 2), ("llama", 1, 2, True, False, False)]),
-    (4, [("decoder", 2, 2), ("llama", 2, 2), ("llama", 1, 4), ("llama", 2, 2, True, False, False)]),
+    (4, [("decoder", 2, 2), ("llama", 2, 2), ("llama", 1, 4), ("llama", 2, 2, True, False, False),
+         ("nanogpt", 2, 2)]),
 ])
 def test_context_parallelism_trains_equal_to_one_process(world, cases):
     """megatron(cp=c): every op split along the tokens c ways besides tensor parallelism, the

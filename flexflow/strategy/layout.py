@@ -136,7 +136,9 @@ def _follow(op: Op, tagged: dict[int, tuple]) -> tuple[tuple | None, dict[int, t
         i = hit[0]
         inner = tagged[i][0] // math.prod(shapes[i][axes[i] + 1:])
         out_coord = _coord_on(op.output_shape, d.axis, inner, tagged[i][1])
-        if out_coord is None or any(i not in hit for i in tagged):
+        if out_coord is None:
+            raise StrategyError(f"{op.describe()}: it changes the sequence's length (a shift or a slice)")
+        if any(i not in hit for i in tagged):
             raise StrategyError(f"{op.describe()}: its inputs' tokens do not line up with its output's")
         for j, (r0, r1) in enumerate(zip(in0, in1)):  # inputs split alike but not tagged: tables
             if j in tagged or r0 is None or r1 is None or r0 == r1:

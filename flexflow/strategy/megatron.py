@@ -320,7 +320,11 @@ def _balanced(graph: OpGraph, configs: dict[str, ParallelConfig]) -> dict[str, P
         if name in configs and cfg is not configs[name]:
             validate_config_for(graph.op(name), cfg)
     blocks = layout_blocks(graph, out)
-    token_layout(graph, blocks)
+    try:
+        token_layout(graph, blocks)
+    except StrategyError as e:
+        raise StrategyError(f"balanced context parallelism runs the graph in a head-tail token order, and {e} "
+                            f"(cp_balance=False splits the sequence contiguously)") from None
     return out
 
 
