@@ -69,7 +69,8 @@ def memory_baselines(graph: OpGraph, machine, *, shard: bool = True,
 
 def context_baselines(graph: OpGraph, machine, *, shard: bool = True) -> dict[str, Strategy]:
     """FSDP x TP with context parallelism (``Strategy.megatron(tp=node, cp=C, shard=3)``, C of
-    2, 4, 8, 16; and the same with every block recomputed, ``..._rc``) where a causal
+    2, 4, 8, 16, balanced head-tail where the graph allows; and the same with every block
+    recomputed, ``..._rc``) where a causal
     attention reads sequences of at least ``LONG_SEQUENCE`` tokens: the plans of a long-context
     phase, where the activations of one sequence outgrow a device."""
     D, dpn, B = machine.num_devices, getattr(machine, "devices_per_node", machine.num_devices), graph.batch_size
