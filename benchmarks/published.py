@@ -1,6 +1,6 @@
 """Simulated training throughput against published GPU measurements.
 
-    python benchmarks/published.py [--only SUBSTRING] [--loss flat|transposed] [--precision bf16-mixed|bf16-params]
+    python benchmarks/published.py [--only SUBSTRING] [--loss flat|transposed|source] [--precision bf16-mixed|bf16-params]
                                    [--out benchmarks/results/published]
 
 Each row is a public measurement of GPU training: the model, the GPUs, the plan, the
@@ -41,7 +41,10 @@ milliseconds against steps of seconds).
 Loss.  ``--loss transposed`` (default) writes the loss as the zoo does,
 ``cross_entropy(logits.transpose(1, 2), targets)``; ``--loss flat`` as the sources do,
 ``cross_entropy(logits.view(-1, V), targets.view(-1))`` (llm-foundry, torchtitan, llm.c's
-PyTorch reference): the same value, a different graph (the batch must survive the view).
+PyTorch reference): the same value, a different graph (the batch must survive the view);
+``--loss source`` as each source ran it (``SOURCE_LOSS``): llm-foundry's MPT with its default
+fused cross-entropy and llm.c with its fused classifier (``flexflow.fused_cross_entropy``:
+no float32 copy of the logits), torchtitan flat.
 
 Precision.  ``--precision bf16-mixed`` (default): autocast, a float32 residual stream;
 ``bf16-params``: every parameter cast to bfloat16 for compute and bfloat16 activations,
@@ -122,20 +125,27 @@ LOSS = "transposed"  # set by --loss
 PRECISION = "bf16-mixed"  # set by --precision
 
 
+# the loss each source ran (--loss source): llm-foundry's MPT defaults to its fused
+# cross-entropy (flash-attn's: no float32 copy of the logits), llm.c fuses its classifier
+# the same way; torchtitan calls F.cross_entropy on the flattened rows
+SOURCE_LOSS = {"mpt": "fused", "gpt2": "fused"}
+
+
 def build(model: str, size: str, batch: int, seq: int):
     """(module on meta, inputs on meta) of a row's model."""
+    loss = SOURCE_LOSS.get(model, "flat") if LOSS == "source" else LOSS
     if model == "mpt":
         layers, width, heads = MPT[size]
         with torch.device("meta"):
             module = GPT2(GPT2Config(layers=layers, width=width, heads=heads, vocab=50368, seq_len=seq,
-                                     positions=seq, loss=LOSS))
+                                     positions=seq, loss=loss))
             inputs = (torch.zeros(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.long))
         return module, inputs
     module, inputs = ff.models.get(model, batch_size=batch, size=size, seq_len=seq, device="meta")
-    if LOSS != module.config.loss:
+    if loss != module.config.loss:
         from dataclasses import replace
         with torch.device("meta"):
-            module = type(module)(replace(module.config, loss=LOSS))
+            module = type(module)(replace(module.config, loss=loss))
     return module, inputs
 
 
@@ -233,13 +243,13 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="run the rows whose model name contains this")
     ap.add_argument("--out", default=None, help="default benchmarks/results/published (published_flat "
                     "with --loss flat)")
-    ap.add_argument("--loss", choices=("transposed", "flat"), default="transposed")
+    ap.add_argument("--loss", choices=("transposed", "flat", "source"), default="transposed")
     ap.add_argument("--precision", choices=("bf16-mixed", "bf16-params"), default="bf16-mixed")
     a = ap.parse_args(argv)
     global LOSS, PRECISION
     LOSS, PRECISION = a.loss, a.precision
     if a.out is None:
-        name = "published" + ("_flat" if a.loss == "flat" else "") + \
+        name = "published" + {"transposed": "", "flat": "_flat", "source": "_source"}[a.loss] + \
             ("_bf16params" if a.precision == "bf16-params" else "")
         a.out = str(Path(__file__).parent / "results" / name)
     rows = [r for r in ROWS if a.only is None or a.only in f"{r[1]}-{r[2]}"]

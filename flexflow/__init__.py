@@ -10,6 +10,7 @@ simulator, and runs the chosen strategy with torch.distributed.
 from . import models
 from .cost.model import CostModel
 from .graph.ir import Op, OpGraph
+from .graph.ops.fused_ce import fused_cross_entropy
 from .graph.trace import TraceError, trace
 from .hardware.machine import Machine
 from .launch import LaunchError, launch  # the function shadows the module name, as search does
@@ -22,7 +23,8 @@ from .strategy.strategy import Strategy
 
 __all__ = ["models", "trace", "TraceError", "Op", "OpGraph", "Machine", "ParallelConfig",
            "Strategy", "StrategyError", "candidate_configs", "CostModel", "Simulator", "SimResult",
-           "search", "SearchResult", "plan", "Plan", "parallelize", "ParallelModule", "launch", "LaunchError"]
+           "search", "SearchResult", "plan", "Plan", "parallelize", "ParallelModule", "launch", "LaunchError",
+           "fused_cross_entropy"]
 
 # the runtime loads on first use
 _LAZY = {"parallelize": "api", "ParallelModule": "runtime.module"}

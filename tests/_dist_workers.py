@@ -152,6 +152,17 @@ CUSTOM = {"branchnet": BranchNet, "tinylm": TinyLM, "recurrent": RecurrentNet, "
 CUSTOM.update(CORPUS)  # models as their authors write them (tests/_corpus.py)
 
 
+def _gpt2_fused():
+    """The zoo's small GPT-2 with its loss through flexflow.fused_cross_entropy."""
+    from dataclasses import replace
+    from flexflow.models.gpt2 import GPT2
+    m, _ = ff.models.get("gpt2", size="small", batch_size=2)
+    return GPT2(replace(m.config, loss="fused"))
+
+
+CUSTOM["gpt2_fused"] = _gpt2_fused
+
+
 def build(name: str, batch: int, seed: int = 0):
     """(module, example inputs) for a zoo or custom model, the same on every rank."""
     if name in CUSTOM:

@@ -27,7 +27,8 @@ gathered in (``param_dtype=bfloat16``).  Only floating tensors change: token ids
 targets keep their integer dtype; under ``*-mixed`` the graph's inputs and constants stay in
 their own dtype (autocast casts them at the ops that read them).  Under ``*-mixed`` the losses (the ``loss`` and
 ``pointwise_loss`` rules: cross-entropy, NLL, MSE, ...) stay in float32, as autocast runs
-them (``cross_entropy``, ``log_softmax``, ``mse_loss`` are on its float32 list).
+them (``cross_entropy``, ``log_softmax``, ``mse_loss`` are on its float32 list) -- but for
+``flexflow.fused_cross_entropy``, which reads its logits in their own dtype.
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def priced_op(op: Op, prec: Precision) -> Op:
     v = views.get(prec.key + "@graph") or views.get(prec.key)
     if v is None:
         if not prec.autocast_lists:  # every floating tensor in the compute dtype, the losses in float32
-            to = _F32 if op.rule in _FLOAT32_RULES else prec.compute
+            to = _F32 if _float32_loss(op) else prec.compute
         elif prec.mixed and op.everywhere:
             to = None  # inputs and constants stay as given; autocast casts them where used
         else:
@@ -164,7 +165,13 @@ def priced_op(op: Op, prec: Precision) -> Op:
 
 def _in_float32(op: Op, prec: Precision) -> bool:
     """Whether autocast runs ``op`` in float32 (its float32 list, the device's)."""
-    return op.rule in _FLOAT32_RULES or (prec.autocast == "cuda" and op.kind in CUDA_FLOAT32_KINDS)
+    return _float32_loss(op) or (prec.autocast == "cuda" and op.kind in CUDA_FLOAT32_KINDS)
+
+
+def _float32_loss(op: Op) -> bool:
+    """A loss computed in float32 (a fused cross-entropy, ``flexflow.fused_cross_entropy``,
+    reads its logits as they are: its float32 is per block of rows, inside the op)."""
+    return op.rule in _FLOAT32_RULES and op.attrs.get("fn") != "fused"
 
 
 # rules autocast runs in its lower dtype (its "lower precision" list: matrix products,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..graph.ops.fused_ce import fused_cross_entropy
 from ._common import indices
 
 __all__ = ["GPT2", "GPT2_SIZES", "GPT2Config", "gpt2_config"]
@@ -32,7 +33,9 @@ class GPT2Config:
     eps: float = 1e-5  # LayerNorm epsilon
     # "transposed": cross_entropy(logits.transpose(1, 2), targets); "flat": over the
     # flattened rows, cross_entropy(logits.view(-1, V), targets.view(-1)), as nanoGPT,
-    # llm-foundry and Hugging Face write it (the same value)
+    # llm-foundry and Hugging Face write it (the same value); "fused": the flattened rows
+    # through flexflow.fused_cross_entropy (no float32 copy of the logits, as llm-foundry's
+    # default fused_crossentropy and llm.c's fused classifier run it)
     loss: str = "transposed"
     # the LM head shares the token embedding (GPT-2); False gives it its own weight, as a
     # pipeline that holds the embedding on its first stage and the head on its last keeps
@@ -155,6 +158,8 @@ class GPT2(nn.Module):
         logits = F.linear(self.ln_f(x), head)  # (B, T, V), tied head unless told otherwise
         if self.config.loss == "flat":
             return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        if self.config.loss == "fused":
+            return fused_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return F.cross_entropy(logits.transpose(1, 2), targets)
 
     def input_specs(self, batch: int):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..graph.ops.fused_ce import fused_cross_entropy
 from ._common import indices
 
 __all__ = ["LLAMA_SIZES", "Llama", "LlamaConfig", "llama_config"]
@@ -37,7 +38,9 @@ class LlamaConfig:
     tie_embeddings: bool = False  # output head shares the token embedding
     # "transposed": cross_entropy(logits.transpose(1, 2), targets); "flat": over the
     # flattened rows, cross_entropy(logits.view(-1, V), targets.view(-1)), as nanoGPT,
-    # llm-foundry and Hugging Face write it (the same value)
+    # llm-foundry and Hugging Face write it (the same value); "fused": the flattened rows
+    # through flexflow.fused_cross_entropy (no float32 copy of the logits, as llm-foundry's
+    # default fused_crossentropy and llm.c's fused classifier run it)
     loss: str = "transposed"
 
 
@@ -172,6 +175,8 @@ class Llama(nn.Module):
         logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
         if self.config.loss == "flat":
             return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        if self.config.loss == "fused":
+            return fused_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return F.cross_entropy(logits.transpose(1, 2), targets)  # logits (B, V, T)
 
     def input_specs(self, batch: int):

@@ -36,6 +36,8 @@ _SAVES = {
     "dropout": _Saves(extra=(1.0, "out"), itemsize=1),  # bool mask
     # log_softmax of the logits is kept; its gradient is a transient of the backward
     "cross_entropy": _Saves(extra=(1.0, "in0"), bwd_temp=(1.0, "in0")),
+    # flexflow.fused_cross_entropy: the logits as they are (and a float32 per row: no matter)
+    "fused_cross_entropy": _Saves(inputs=(0,)),
     # composite cell: gates (4H) and tanh(c') (H) kept, out = (h', c') = 2H; the two gate
     # products (2 x 4H) live until they are added; the backward's gate gradients likewise
     "lstm_cell": _Saves(inputs="all", extra=(2.5, "out"), fwd_temp=(4.0, "out"),

@@ -190,6 +190,14 @@ def classify(b, name, module) -> Op:
         attrs = {"fn": "nll" if name == "nll_loss" else "ce", "reduction": red, "ignore_index": ign}
         return b.make(name, "loss", attrs=attrs, **mk)
 
+    if name == "fused_cross_entropy" and getattr(b.node.target, "namespace", None) == "flexflow":
+        # flexflow.fused_cross_entropy (flexflow.models.losses): (logits, targets, ignore_index, reduction)
+        red, ign = _get(av, kv, 3, "reduction", "mean"), _get(av, kv, 2, "ignore_index", -100)
+        if len(x_in) == 2 and not b.params and red in ("mean", "sum") and isinstance(ign, int):
+            attrs = {"fn": "fused", "reduction": red, "ignore_index": ign}
+            return b.make(name, "loss", attrs=attrs, **mk)
+        return _opaque(b, name, module, at, kt)
+
     if name in POINTWISE_LOSSES and not isinstance(b.node.target, torch._ops.OpOverload):
         red_pos, must_be_none, keyword_pos = POINTWISE_LOSSES[name]
         if module is not None:

@@ -40,6 +40,12 @@ def _class_last(fn):
     return rows
 
 
+def _fused(x, t, reduction, ignore_index):
+    """flexflow.fused_cross_entropy (rows, classes) as the rule calls a loss."""
+    from .fused_ce import fused_cross_entropy
+    return fused_cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction)
+
+
 @register("loss")
 class Loss(Rule):
     separable = True  # see Rule.separable
@@ -81,7 +87,7 @@ class Loss(Rule):
 
     def bind(self, op, block):
         red = op.attrs["reduction"]
-        fn = _class_last(F.nll_loss if op.attrs["fn"] == "nll" else F.cross_entropy)
+        fn = _fused if op.attrs["fn"] == "fused" else _class_last(F.nll_loss if op.attrs["fn"] == "nll" else F.cross_entropy)
         ignore = op.attrs.get("ignore_index", -100)
         t_region = self._target_region(op, block)
         whole = all(s.start == 0 and s.stop == n for s, n in zip(t_region, op.input_shapes[1]))
