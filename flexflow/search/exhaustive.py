@@ -192,7 +192,9 @@ class _Bound:
         out = []
         for (a, b, _, lf, _, lb), t in zip(remote, secs.tolist()):
             fwd[a, b], bwd[a, b] = t, back * t
-            out.append((a, b, t, lf[-1:], back * t, lb[-1:]))  # (the receiving end: receiver_resources)
+            if not self.machine.spec.comm_on_cores:  # the receiving end (receiver_resources)
+                lf, lb = lf[-1:], lb[-1:]
+            out.append((a, b, t, lf, back * t, lb))
         return out
 
     def __call__(self, assign: list[int]) -> float:

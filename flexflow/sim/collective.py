@@ -27,12 +27,14 @@ def transfer_resources(machine, a: int, b: int) -> tuple:
 
 
 def receiver_resources(machine, a: int, b: int) -> tuple:
-    """The resources a collective's piece a -> b holds: the receiving end of the route (its
-    last link, and the receiver's cores where they move messages).  A ring or tree keeps
-    every link busy at once; holding both ends, the pieces queue behind each other in the
-    order they are listed (all senders feeding one receiver first)."""
+    """The resources a collective's piece a -> b holds: on devices with their own
+    communication engines (GPUs), the receiving end of the route (its last link: a NIC's
+    incoming side across nodes) -- NCCL's ring or tree keeps every link busy at once, where
+    pieces holding both ends would queue behind each other in the order they are listed
+    (all senders feeding one receiver first); where the cores move the bytes (gloo on
+    CPUs), the whole route, both ends' cores included, as a point-to-point message."""
     links = transfer_resources(machine, a, b)
-    return links[-2:] if machine.spec.comm_on_cores and len(links) > 2 else links[-1:]
+    return links if machine.spec.comm_on_cores else links[-1:]
 
 
 def collective_seconds(machine, src, dst, nbytes, partial: bool, region, block_bytes, lag_s: float = 0.0):

@@ -322,7 +322,7 @@ class Context(ParamPlanning):
             D, m = self.D, self.machine
             r1 = np.full((D, D), -1, np.int64)
             rm = np.empty((D, D), object)
-            pad = np.full((D, D, 2), -1, np.int64)
+            pad = np.full((D, D, max(self._transfer_tables()[4].shape[2], 1)), -1, np.int64)
             for a in range(D):
                 for b in range(D):
                     if a == b:
