@@ -203,6 +203,7 @@ def _analyse(graph: OpGraph, blocks: int) -> TokenLayout:
         for name, c in found.items():  # a table's order is set where it is made
             new.update(_table_source(graph, name, c))
         if all(sources.get(k) == c for k, c in new.items()):
+            _check_tables(graph, sources)
             outputs = {n: tags[n] for n in graph.output_names() if n in tags}
             return TokenLayout(blocks, L, sources, outputs)
         for k, c in new.items():
@@ -210,6 +211,26 @@ def _analyse(graph: OpGraph, blocks: int) -> TokenLayout:
                 raise StrategyError(f"{graph.op(k).describe()}: read as a position table two ways")
             sources[k] = c
     raise StrategyError("the position tables of the token layout did not settle")
+
+
+def _check_tables(graph: OpGraph, sources: dict) -> None:
+    """Refuse a position table made from another one the layout reorders (the second would
+    be reordered twice)."""
+    for name in sources:
+        op = graph.op(name)
+        if op.kind == "input":
+            continue
+        todo, seen = list(op.inputs), set()
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in sources and graph.op(u).kind != "input":
+                raise StrategyError(f"{op.describe()}: a position table made from another the tokens meet "
+                                    f"({graph.op(u).describe()})")
+            if graph.op(u).everywhere:
+                todo.extend(graph.op(u).inputs)
 
 
 def _table_source(graph: OpGraph, name: str, coord) -> dict:
