@@ -15,8 +15,8 @@ import flexflow as ff
 from flexflow.graph.ops import RULES
 from flexflow.search import _OptCNN
 from flexflow.strategy.boxes import OpBoxes, region_array
-from flexflow.strategy.config import REPLICA, ParallelConfig
-from flexflow.strategy.regions import partitions
+from flexflow.strategy.config import REPLICA, ParallelConfig, StrategyError
+from flexflow.strategy.regions import partitions, validate_config
 
 
 def _configs(op):
@@ -32,7 +32,19 @@ def _configs(op):
     if dims:
         out.append({d.name: 2 for d in dims})
     out.append({REPLICA: 3})
-    return [ParallelConfig(degs, range(int(np.prod(list(degs.values()))))) for degs in out]
+    configs = [ParallelConfig(degs, range(int(np.prod(list(degs.values()))))) for degs in out]
+    return [c for c in configs if _valid(op, c)]
+
+
+def _valid(op, config) -> bool:
+    """Whether the op takes the config (a head-tail split needs two equal chunks a block and
+    no contiguous split of the rows besides: those are refused, the rest all taken)."""
+    try:
+        validate_config(op, config)
+    except StrategyError:
+        assert "z" in config.degrees, (op.describe(), config)
+        return False
+    return True
 
 
 def _regions(op, p):
