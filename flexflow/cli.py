@@ -216,24 +216,25 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def _strategy_arg(name, graph, machine, precision="32-true", pipe=None, tensor=(1, True)):
+def _strategy_arg(name, graph, machine, precision="32-true", pipe=None, tensor=(1, True, None)):
     """The --strategy: a built-in or a file; ``pipe`` (tp, pp, microbatches, schedule,
-    interleave) and ``tensor`` (cp, sequence parallelism) shape ``megatron`` and ``fsdp_tp``,
-    ``pipe`` pipelines any other built-in."""
+    interleave) and ``tensor`` (cp, sequence parallelism, cp_balance) shape ``megatron`` and
+    ``fsdp_tp``, ``pipe`` pipelines any other built-in."""
     from .strategy.config import StrategyError
     from .strategy.strategy import Strategy
     tp, pp, mb, sched, v = pipe or (None, 1, 1, "1f1b", 1)
-    cp, sp = tensor
-    three = dict(tp=tp, pp=pp, microbatches=mb, schedule=sched, interleave=v, cp=cp, sequence_parallel=sp)
+    cp, sp, balance = (tuple(tensor) + (None,))[:3]
+    three = dict(tp=tp, pp=pp, microbatches=mb, schedule=sched, interleave=v, cp=cp, sequence_parallel=sp,
+                 cp_balance=balance)
     builtins = {"data_parallel": Strategy.data_parallel, "model_parallel": Strategy.model_parallel,
                 "expert": Strategy.expert, "zero1": lambda g, m: Strategy.zero(g, m, 1),
                 "zero2": lambda g, m: Strategy.zero(g, m, 2), "fsdp": Strategy.fsdp,
                 "megatron": lambda g, m: Strategy.megatron(g, m, **three),
                 "fsdp_tp": lambda g, m: Strategy.megatron(g, m, shard=3, **three)}
     if pipe is not None and name not in ("megatron", "fsdp_tp") and (pp != 1 or v != 1 or tp is not None
-                                                                      or cp != 1 or not sp):
-        raise CLIError("--tp, --pp, --cp, --interleave and --no-sequence-parallel shape --strategy megatron or "
-                       "fsdp_tp; other strategies take --microbatches and --schedule only")
+                                                                      or cp != 1 or not sp or balance is not None):
+        raise CLIError("--tp, --pp, --cp, --cp-contiguous, --interleave and --no-sequence-parallel shape --strategy "
+                       "megatron or fsdp_tp; other strategies take --microbatches and --schedule only")
     if name in builtins:
         if pipe is not None and name not in ("megatron", "fsdp_tp") and (mb != 1 or sched != "1f1b"):
             try:
@@ -314,7 +315,7 @@ def cmd_simulate(args) -> int:
     graph = _trace(module, inputs, args.batch_dim)
     strategy = _strategy_arg(args.strategy, graph, machine, precision,
                              (args.tp, args.pp, args.microbatches, args.schedule, args.interleave),
-                             (args.cp, not args.no_sequence_parallel))
+                             (args.cp, not args.no_sequence_parallel, False if args.cp_contiguous else None))
     if args.recompute == "blocks":
         strategy = strategy.recompute_blocks()
     sim = Simulator(graph, machine, _cost_model(machine), optimizer=args.optimizer, precision=precision)
@@ -483,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--pp", type=int, default=1, help="megatron / fsdp_tp: pipeline stages")
             s.add_argument("--cp", type=int, default=1,
                            help="megatron / fsdp_tp: context parallelism (every op split along the tokens)")
+            s.add_argument("--cp-contiguous", action="store_true",
+                           help="megatron / fsdp_tp: the sequence cut in contiguous chunks (default: balanced "
+                                "head-tail where the model allows)")
             s.add_argument("--no-sequence-parallel", action="store_true",
                            help="megatron / fsdp_tp: the ops between the pairs whole on the tensor-parallel group "
                                 "(where it is every device)")

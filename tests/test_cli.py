@@ -145,11 +145,14 @@ def test_simulate_shapes_megatron_with_context_and_without_sequence_parallelism(
     base = ("simulate", "llama", "--size", "small", "--seq", "256", "--batch", "4", "--machine", "h100-cluster",
             "--devices", "8", "--strategy", "megatron", "--json")
     got = {}
-    for extra in (("--tp", "4"), ("--tp", "4", "--cp", "2"), ("--tp", "8"), ("--tp", "8", "--no-sequence-parallel")):
+    for extra in (("--tp", "4"), ("--tp", "4", "--cp", "2"), ("--tp", "4", "--cp", "2", "--cp-contiguous"),
+                  ("--tp", "8"), ("--tp", "8", "--no-sequence-parallel")):
         code, out, _ = run(capsys, *base, *extra)
         assert code == 0, extra
         got[extra] = json.loads(out)["comm_bytes"]
     assert got[("--tp", "4", "--cp", "2")] != got[("--tp", "4")]  # (the keys and values move besides)
+    # balanced, every chunk gathers all the keys and values; contiguous, only those before it
+    assert got[("--tp", "4", "--cp", "2", "--cp-contiguous")] < got[("--tp", "4", "--cp", "2")]
     assert got[("--tp", "8", "--no-sequence-parallel")] != got[("--tp", "8")]
     code, _, err = run(capsys, *base, "--tp", "4", "--no-sequence-parallel")
     assert code == 2 and "sequence_parallel=False" in err and "tp=4" in err
