@@ -56,9 +56,11 @@ def layout_blocks(graph: OpGraph, configs) -> int:
     or a StrategyError when its causal attentions disagree: every one must split its rows
     head-tail the same number of ways, or none."""
     found: dict[int, str] = {}
-    for op in graph.compute_ops:
-        if balanced(op):
-            found.setdefault(configs[op.name].degree("z"), op.name)
+    ops = graph.__dict__.get("_causal_attentions")
+    if ops is None:  # (once per graph: the search asks at every move of an attention)
+        ops = graph.__dict__["_causal_attentions"] = [op for op in graph.compute_ops if balanced(op)]
+    for op in ops:
+        found.setdefault(configs[op.name].degree("z"), op.name)
     if len(found) > 1:
         desc = ", ".join(f"{graph.op(n).describe()}: {k}" for k, n in found.items())
         raise StrategyError(f"the causal attentions split their rows head-tail different ways ({desc}); the "
