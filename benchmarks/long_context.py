@@ -78,12 +78,13 @@ def main(argv=None) -> int:
             # every context-parallel baseline again with contiguous chunks, and the chosen plan
             sim = ff.Simulator(graph, machine, optimizer="adam", precision="bf16-mixed")
             contiguous = {}
-            plans = {k: s for k, s in context_baselines(graph, machine).items()}
+            plans = dict(context_baselines(graph, machine))
             plans["search: " + res.strategy.name] = res.strategy
             for k, s in plans.items():
-                r = sim.simulate(_contiguous(s), incremental=False)
+                s = _contiguous(s)
+                r = sim.simulate(s, incremental=False)
                 contiguous[k] = {"step_s": r.iteration_time, "peak_gib": max(r.peak_memory) / 2**30,
-                                 "fits": r.feasible, "attention_load": _attention_load(graph, _contiguous(s))}
+                                 "fits": r.feasible, "attention_load": _attention_load(graph, s)}
         rows.append({**c, "trace_s": trace_s, "search_s": search_s, "budget_s": a.budget,
                      "evaluations": res.evaluations, "baselines": base, "chosen": res.strategy.name,
                      "chosen_step_s": best.iteration_time, "chosen_peak_gib": max(best.peak_memory) / 2**30,

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ..graph.ir import Op, OpGraph
-from ..graph.ops.attention import balanced, head_tail_order
+from ..graph.ops.attention import balanced, head_tail_order, sequence_order
 from .config import ParallelConfig, StrategyError
 
 __all__ = ["TokenLayout", "Reordering", "layout_blocks", "token_layout", "reorder"]
@@ -99,6 +99,19 @@ def _split_axes(op: Op, dim: str):
         return None
 
 
+def _split_alike(op: Op, halves, axis: int, inner: int, length: int):
+    """(input index, the token coordinate it holds or None) of each input the two ``halves``
+    (:func:`_split_axes`) slice: None where its slices are not the output's along ``axis``
+    or its axis cannot hold the tokens."""
+    (o0, in0), (o1, in1) = halves
+    for j, (r0, r1) in enumerate(zip(in0, in1)):
+        if r0 is None or r1 is None or r0 == r1:
+            continue
+        ja = next(a for a, (x, y) in enumerate(zip(r0, r1)) if x != y)
+        c = _coord_on(op.input_shapes[j], ja, inner, length)
+        yield j, (c if (r0[ja], r1[ja]) == (o0[axis], o1[axis]) else None)
+
+
 def _follow(op: Op, tagged: dict[int, tuple]) -> tuple[tuple | None, dict[int, tuple]]:
     """(output coordinate or None, {untagged input index: coordinate it must take}) of
     ``op`` given its tagged inputs (index -> coordinate); raises StrategyError when the op
@@ -142,12 +155,10 @@ def _follow(op: Op, tagged: dict[int, tuple]) -> tuple[tuple | None, dict[int, t
             raise StrategyError(f"{op.describe()}: it changes the sequence's length (a shift or a slice)")
         if any(i not in hit for i in tagged):
             raise StrategyError(f"{op.describe()}: its inputs' tokens do not line up with its output's")
-        for j, (r0, r1) in enumerate(zip(in0, in1)):  # inputs split alike but not tagged: tables
-            if j in tagged or r0 is None or r1 is None or r0 == r1:
+        for j, c in _split_alike(op, halves, d.axis, inner, tagged[i][1]):  # not tagged: tables
+            if j in tagged:
                 continue
-            ja = next(a for a, (x, y) in enumerate(zip(r0, r1)) if x != y)
-            c = _coord_on(shapes[j], ja, inner, tagged[i][1])
-            if c is None or (r0[ja], r1[ja]) != (o0[d.axis], o1[d.axis]):
+            if c is None:
                 raise StrategyError(f"{op.describe()}: input {j} is split with the tokens but is no position table")
             need[j] = c
         return out_coord, need
@@ -248,14 +259,9 @@ def _table_source(graph: OpGraph, name: str, coord) -> dict:
         halves = _split_axes(op, d.name)
         if halves is None:
             continue
-        (o0, in0), (o1, in1) = halves
-        for j, (r0, r1) in enumerate(zip(in0, in1)):
-            if r0 is None or r1 is None or r0 == r1:
-                continue
-            ja = next(a for a, (x, y) in enumerate(zip(r0, r1)) if x != y)
-            inner = coord[0] // math.prod(op.output_shape[ax + 1:])
-            c = _coord_on(op.input_shapes[j], ja, inner, coord[1])
-            if c is not None and (r0[ja], r1[ja]) == (o0[ax], o1[ax]):
+        inner = coord[0] // math.prod(op.output_shape[ax + 1:])
+        for j, c in _split_alike(op, halves, ax, inner, coord[1]):
+            if c is not None:
                 return _table_source(graph, op.inputs[j], c)
     raise StrategyError(f"{op.describe()}: a position table that is not made from constants")
 
@@ -275,8 +281,7 @@ class Reordering:
         import torch
         self.layout = layout
         self.order = torch.tensor(layout.order, dtype=torch.long)
-        self.inverse = torch.empty_like(self.order)
-        self.inverse[self.order] = torch.arange(layout.length)
+        self.inverse = sequence_order(layout.length, layout.blocks)
 
     @classmethod
     def of(cls, graph: OpGraph, configs) -> "Reordering | None":

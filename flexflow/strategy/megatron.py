@@ -43,7 +43,6 @@ import math
 from ..graph.ir import Op, OpGraph
 from .config import REPLICA, ParallelConfig, StrategyError
 from .regions import has_param_replicas, partitions
-from .regions import validate_config as validate_config_for
 
 __all__ = ["linear_pairs", "megatron_configs"]
 
@@ -316,9 +315,6 @@ def _balanced(graph: OpGraph, configs: dict[str, ParallelConfig]) -> dict[str, P
             degs = cfg.degrees
             out[name] = ParallelConfig({("z" if k == "l" else k): v for k, v in degs.items()}, cfg.devices,
                                        cfg.shard, cfg.recompute)
-    for name, cfg in out.items():
-        if name in configs and cfg is not configs[name]:
-            validate_config_for(graph.op(name), cfg)
     blocks = layout_blocks(graph, out)
     try:
         token_layout(graph, blocks)

@@ -20,13 +20,14 @@ group) and computes the same share of the triangle.  Runs
 ``F.scaled_dot_product_attention`` on the blocks."""
 from __future__ import annotations
 
+import functools
 import math
 
 from ..ir import Dim, InputRef, Op
 from .base import Block, Rule, batch_dim, call_template, out_region, register
 from .pointwise import broadcast_region
 
-__all__ = ["Attention", "attention_attrs", "head_tail_order", "balanced"]
+__all__ = ["Attention", "attention_attrs", "head_tail_order", "sequence_order", "balanced"]
 
 
 def head_tail_order(length: int, c: int) -> list[int]:
@@ -122,9 +123,7 @@ class Attention(Rule):
         # a head-tail block: its two chunks, each against the keys up to its end (the keys
         # come in the head-tail order: put back in sequence order first)
         L, c, chunk = op.output_shape[2], *_head_tail(op, block)
-        order = torch.tensor(head_tail_order(L, c), device=k.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(L, device=k.device)
+        inverse = sequence_order(L, c).to(k.device)
         k, v = k.index_select(2, inverse), v.index_select(2, inverse)
         i = rows.start // (2 * chunk)
         outs = []
@@ -149,6 +148,16 @@ class Attention(Rule):
 
     def backward_factor(self, op):
         return 2.5
+
+
+@functools.lru_cache(maxsize=64)
+def sequence_order(length: int, c: int):
+    """The head-tail layout position of each sequence position (a LongTensor, made once)."""
+    import torch
+    order = torch.tensor(head_tail_order(length, c))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(length)
+    return inverse
 
 
 def _head_tail(op: Op, block: Block) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from .base import (
     reduced_axis,
     register,
 )
+from .fused_ce import fused_cross_entropy
 
 
 def _class_last(fn):
@@ -42,7 +43,6 @@ def _class_last(fn):
 
 def _fused(x, t, reduction, ignore_index):
     """flexflow.fused_cross_entropy (rows, classes) as the rule calls a loss."""
-    from .fused_ce import fused_cross_entropy
     return fused_cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction)
 
 
